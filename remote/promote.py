@@ -1,0 +1,189 @@
+"""Promote a draft when it measures better than the current one: an atomic switch of drafts/current.
+
+    python -m remote.promote --config c.json
+    # {"out_dir": "<run>/promote", "drafts_root": "<root>/drafts", "candidate_dir": "<run>/export",
+    #  "name": "<run>", "figures": {"acceptance_length": 2.1, ...}, "metric": "acceptance_length",
+    #  "margin": 0.05}
+
+On the host:
+
+    drafts/<name>/                 a promoted draft (a copy of the run's export, so runs/ may be cleaned)
+    drafts/<name>/promotion.json   what was promoted and why (figures, the draft it replaced, margin)
+    drafts/current -> <name>       the draft serving should load; swapped by rename, never half-made
+    drafts/history.jsonl           every decision, promoted or not, one JSON line each
+
+The decision, the copy and the switch happen under a lock on drafts/, so two runs that finish at
+once cannot both promote against the same current draft. The step's own manifest (in out_dir)
+holds the decision; a re-run after a crash finds either that manifest or its own draft already
+current, and does not decide twice.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from remote.step import BadInput, StepOutput, load_config, log, step_main, write_json_atomic
+
+STEP = "promote"
+CURRENT = "current"
+RECORD = "promotion.json"
+HISTORY = "history.jsonl"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PromoteConfig:
+    out_dir: str  # this run's promote folder: the decision's manifest
+    drafts_root: str  # <root>/drafts: the promoted drafts and the `current` link
+    candidate_dir: str  # the run's exported draft (a folder vLLM loads)
+    name: str  # the candidate's folder name under drafts_root (the run name)
+    figures: dict  # the candidate's evaluation figures
+    metric: str = "acceptance_length"  # the figure compared; higher is better
+    margin: float = 0.0  # promote only when candidate - current is more than this (same unit as metric)
+    context: dict = field(default_factory=dict)  # kept in the record: run, data fingerprint, warm start...
+
+    def __post_init__(self):
+        if not self.name or "/" in self.name or self.name.startswith(".") or self.name == CURRENT:
+            raise ValueError(f"name={self.name!r}: a plain folder name, not '{CURRENT}', no '/', no leading '.'")
+        if not math.isfinite(self.margin):
+            raise ValueError(f"margin={self.margin}: must be a finite number")
+
+
+@dataclass(frozen=True)
+class Decision:
+    promote: bool
+    reason: str
+    value: float  # the candidate's metric
+    current_value: float | None  # the current draft's metric (None: no current draft or no record)
+    gain: float | None  # value - current_value
+
+
+def figure(figures: dict, metric: str, where: str) -> float:
+    """The metric as a finite float, or BadInput naming what the figures do hold."""
+    v = figures.get(metric)
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+        raise BadInput(f"{where}: figure {metric!r} is {v!r}, not a finite number; figures: {sorted(figures)}")
+    return float(v)
+
+
+def decide(value: float, current: dict | None, metric: str, margin: float) -> Decision:
+    """Promote when there is no current draft, or when the candidate beats it by more than margin."""
+    if current is None:
+        return Decision(True, "no current draft", value, None, None)
+    cur = current.get("figures", {}).get(metric)
+    if not isinstance(cur, (int, float)) or not math.isfinite(cur):
+        return Decision(False, f"the current draft {current.get('name')!r} has no recorded {metric}; "
+                               "cannot compare, kept it", value, None, None)
+    gain = value - cur
+    if gain > margin:
+        return Decision(True, f"{metric} {value:.4f} beats {cur:.4f} by {gain:+.4f} (> margin {margin})",
+                        value, cur, gain)
+    return Decision(False, f"{metric} {value:.4f} vs current {cur:.4f}: gain {gain:+.4f} is not more than "
+                           f"margin {margin}", value, cur, gain)
+
+
+def read_current(drafts_root: str | os.PathLike) -> dict | None:
+    """The record of the current draft (None when nothing was promoted yet)."""
+    link = Path(drafts_root) / CURRENT
+    if not link.exists():
+        return None
+    p = link / RECORD
+    return json.loads(p.read_text()) if p.is_file() else {"name": os.readlink(link) if link.is_symlink() else CURRENT}
+
+
+def switch_current(drafts_root: Path, name: str) -> None:
+    """Point drafts/current at drafts/<name> in one rename: a reader sees the old or the new link."""
+    tmp = drafts_root / f".{CURRENT}.tmp-{os.getpid()}"
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    os.symlink(name, tmp)  # relative, so the drafts folder can be moved or mounted elsewhere
+    os.replace(tmp, drafts_root / CURRENT)
+    _fsync_dir(drafts_root)
+
+
+def publish_draft(candidate: Path, drafts_root: Path, name: str, record: dict) -> Path:
+    """Copy the candidate to drafts/<name> (staged, renamed when whole) with its record inside."""
+    final = drafts_root / name
+    stage = drafts_root / f".{name}.partial-{os.getpid()}"
+    shutil.rmtree(stage, ignore_errors=True)
+    shutil.copytree(candidate, stage, symlinks=False)
+    write_json_atomic(stage / RECORD, record)
+    if final.exists():  # a draft of that name left by a run that crashed before switching
+        shutil.rmtree(final)
+    os.replace(stage, final)
+    return final
+
+
+def run(raw: dict) -> dict:
+    cfg = load_config(PromoteConfig, raw, where="promote config")
+    out = StepOutput(cfg.out_dir, STEP, asdict(cfg))
+    if (done := out.done()) is not None:
+        log(f"already decided: {done['decision']['reason']}")
+        return done
+    candidate = Path(cfg.candidate_dir)
+    if not (candidate / "config.json").is_file():
+        raise BadInput(f"candidate_dir {candidate} holds no config.json: not an exported draft")
+    value = figure(cfg.figures, cfg.metric, "the candidate's figures")
+    root = Path(cfg.drafts_root)
+    root.mkdir(parents=True, exist_ok=True)
+    with _locked(root):
+        current = read_current(root)
+        if current is not None and current.get("name") == cfg.name:  # a re-run after the switch
+            decision = Decision(True, "already promoted by an earlier try of this run", value,
+                                None, None)
+        else:
+            decision = decide(value, current, cfg.metric, cfg.margin)
+            if decision.promote:
+                record = {"name": cfg.name, "promoted_at": _now(), "metric": cfg.metric, "figures": cfg.figures,
+                          "source": str(candidate.resolve()), "margin": cfg.margin, "reason": decision.reason,
+                          "replaced": None if current is None else {k: current.get(k) for k in ("name", "figures")},
+                          "context": cfg.context}
+                publish_draft(candidate, root, cfg.name, record)
+                switch_current(root, cfg.name)
+        entry = {"at": _now(), "name": cfg.name, **asdict(decision),
+                 "current_before": None if current is None else current.get("name")}
+        with open(root / HISTORY, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+    log(("promoted " if decision.promote else "not promoted ") + f"{cfg.name}: {decision.reason}")
+    out.open()
+    return out.publish(counts={"promoted": int(decision.promote)}, figures={cfg.metric: value},
+                       decision=asdict(decision), current=str(root / CURRENT),
+                       current_before=None if current is None else current.get("name"))
+
+
+@contextmanager
+def _locked(folder: Path):
+    """An exclusive flock on the folder itself: held until the decision is written."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing drops the lock
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def main(argv: list[str] | None = None) -> int:
+    return step_main(STEP, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""The nightly retrain: what is new by sample hash, promotion only of a better draft, one run a host.
+
+Unit tier first (the host-side steps remote.data_delta and remote.promote, run in-process on real
+files), then the flow itself against a real Prefect server with the tiny preset.
+
+    .venv/bin/python -m pytest tests/test_nightly.py -x -q
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from remote import data_delta, promote
+from remote.chat_data import ReadReport, read_conversations
+from remote.prepare import split_of
+from remote.step import EXIT_BAD_INPUT, read_manifest
+
+
+# ----------------------------------------------------------------------------- helpers
+def conversations(n: int, start: int = 0) -> list[dict]:
+    """n distinct, valid ShareGPT records (the i-th is the same text in every call)."""
+    return [{"conversations": [{"from": "human", "value": f"question {i}: what is {i} plus {i}?"},
+                               {"from": "gpt", "value": f"the answer to question {i} is {2 * i}."}]}
+            for i in range(start, start + n)]
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def run_step(module, config: dict, tmp_path: Path) -> int:
+    cfg = tmp_path / f"{module.STEP}-{len(list(tmp_path.glob('*.json')))}.json"
+    cfg.write_text(json.dumps(config))
+    return module.main(["--config", str(cfg)])
+
+
+def night(tmp_path: Path, source: list[str], run: str, permille: int = 250) -> dict:
+    """One data_delta run committed the way commit_night does it; returns its manifest."""
+    state_dir = tmp_path / "nightly"
+    out = state_dir / "nights" / run
+    assert run_step(data_delta, {"inputs": source, "state_dir": str(state_dir), "out_dir": str(out),
+                                 "heldout_permille": permille}, tmp_path) == 0
+    m = read_manifest(out)
+    if m["counts"]["new"]:
+        state = data_delta.read_state(state_dir)
+        (state_dir / data_delta.STATE).write_text(json.dumps(data_delta.next_state(state, m, run)))
+    return m
+
+
+def ids_of(paths: list[str]) -> list[str]:
+    return [c.sample_id for c in read_conversations(paths, ReadReport())]
+
+
+# ----------------------------------------------------------------------------- data_delta
+def test_new_data_is_found_by_sample_hash(tmp_path):
+    src = write_jsonl(tmp_path / "src" / "a.jsonl", conversations(12))
+    first = night(tmp_path, [str(src.parent)], "n1")
+    assert first["counts"]["new"] == 12 and first["counts"]["already_seen"] == 0
+    # what the night trains on reads back to the very same samples (the hashes prepare will see)
+    assert sorted(ids_of(first["train_inputs"])) == sorted(ids_of([str(src)]))
+
+    again = night(tmp_path, [str(src.parent)], "n2")
+    assert again["counts"]["new"] == 0 and again["counts"]["already_seen"] == 12
+    assert again["train_inputs"] == first["train_inputs"]  # nothing of tonight's, all of the first night's
+
+    write_jsonl(tmp_path / "src" / "b.jsonl", conversations(12, start=12) + conversations(3))  # 3 repeats
+    third = night(tmp_path, [str(src.parent)], "n3")
+    new_ids = ids_of([third["new_data"]])
+    fresh = [sid for sid in ids_of([str(tmp_path / "src" / "b.jsonl")])[:12]]
+    kept = [sid for sid in fresh if split_of(sid, 250) == "train"]
+    assert new_ids == kept, "only the new conversations, and of them only the train split"
+    assert third["counts"]["new_heldout_left_out"] == len(fresh) - len(kept) > 0
+    assert third["train_inputs"] == first["train_inputs"] + [third["new_data"]]
+
+
+def test_uncommitted_night_is_found_again(tmp_path):
+    src = write_jsonl(tmp_path / "src.jsonl", conversations(5))
+    state_dir, out = tmp_path / "nightly", tmp_path / "nightly" / "nights" / "failed"
+    cfg = {"inputs": [str(src)], "state_dir": str(state_dir), "out_dir": str(out)}
+    assert run_step(data_delta, cfg, tmp_path) == 0  # the night then fails: nothing is committed
+    assert night(tmp_path, [str(src)], "next")["counts"]["new"] == 5
+
+
+def test_bad_delta_inputs_fail_as_bad_input(tmp_path):
+    state_dir = tmp_path / "nightly"
+    empty = write_jsonl(tmp_path / "empty.jsonl", [{"conversations": [{"from": "human", "value": "hi"}]}])
+    assert run_step(data_delta, {"inputs": [str(empty)], "state_dir": str(state_dir),
+                                 "out_dir": str(state_dir / "x")}, tmp_path) == EXIT_BAD_INPUT
+    assert run_step(data_delta, {"inputs": [], "state_dir": str(state_dir),
+                                 "out_dir": str(state_dir / "y")}, tmp_path) == EXIT_BAD_INPUT
+    state_dir.mkdir(exist_ok=True)
+    (state_dir / data_delta.STATE).write_text("{not json")
+    good = write_jsonl(tmp_path / "good.jsonl", conversations(2))
+    assert run_step(data_delta, {"inputs": [str(good)], "state_dir": str(state_dir),
+                                 "out_dir": str(state_dir / "z")}, tmp_path) == EXIT_BAD_INPUT
+    assert not (state_dir / "z").exists(), "no output that looks finished"
+
+
+# ----------------------------------------------------------------------------- promote
+def fake_export(path: Path, tag: str) -> Path:
+    """A folder shaped like an export (config.json + weights file); promotion only copies it."""
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"], "tag": tag}))
+    (path / "model.safetensors").write_bytes(os.urandom(256))
+    return path
+
+
+def promote_cfg(tmp_path: Path, name: str, value, margin: float = 0.05) -> dict:
+    return {"out_dir": str(tmp_path / "runs" / name / "promote"), "drafts_root": str(tmp_path / "drafts"),
+            "candidate_dir": str(fake_export(tmp_path / "runs" / name / "export", name)), "name": name,
+            "figures": {"acceptance_length": value, "other": 1}, "margin": margin, "context": {"run": name}}
+
+
+def current_tag(drafts: Path) -> str:
+    assert (drafts / "current").is_symlink()
+    return json.loads((drafts / "current" / "config.json").read_text())["tag"]
+
+
+def test_decide():
+    assert promote.decide(1.5, None, "m", 0.1).promote
+    better = promote.decide(2.0, {"name": "a", "figures": {"m": 1.8}}, "m", 0.1)
+    assert better.promote and better.gain == pytest.approx(0.2)
+    assert not promote.decide(1.85, {"name": "a", "figures": {"m": 1.8}}, "m", 0.1).promote  # within margin
+    assert not promote.decide(1.0, {"name": "a", "figures": {"m": 1.8}}, "m", 0.0).promote  # worse
+    assert not promote.decide(9.0, {"name": "a", "figures": {}}, "m", 0.0).promote  # nothing to compare with
+
+
+def test_promotion_switches_current_only_for_a_better_draft(tmp_path):
+    drafts = tmp_path / "drafts"
+    assert run_step(promote, promote_cfg(tmp_path, "r1", 1.40), tmp_path) == 0
+    assert current_tag(drafts) == "r1" and os.readlink(drafts / "current") == "r1"
+    record = json.loads((drafts / "current" / promote.RECORD).read_text())
+    assert record["reason"] == "no current draft" and record["figures"]["acceptance_length"] == 1.40
+
+    assert run_step(promote, promote_cfg(tmp_path, "r2", 1.42), tmp_path) == 0  # better, but not by the margin
+    assert current_tag(drafts) == "r1" and not (drafts / "r2").exists()
+    assert read_manifest(tmp_path / "runs" / "r2" / "promote")["decision"]["promote"] is False
+
+    assert run_step(promote, promote_cfg(tmp_path, "r3", 1.60), tmp_path) == 0
+    assert current_tag(drafts) == "r3"
+    record = json.loads((drafts / "current" / promote.RECORD).read_text())
+    assert record["replaced"]["name"] == "r1" and "beats 1.4000" in record["reason"]
+    assert (drafts / "r1" / "config.json").is_file(), "the replaced draft stays for a rollback"
+
+    cfg = promote_cfg(tmp_path, "r4", 1.2)
+    assert run_step(promote, cfg, tmp_path) == 0 and run_step(promote, cfg, tmp_path) == 0  # a retry
+    history = [json.loads(line) for line in (drafts / promote.HISTORY).read_text().splitlines()]
+    assert [(h["name"], h["promote"]) for h in history] == [("r1", True), ("r2", False), ("r3", True), ("r4", False)]
+    assert not [p for p in drafts.iterdir() if p.name.startswith(".") and p.name != ".lock"], "no temporary left"
+
+
+def test_bad_candidate_leaves_current_as_it_was(tmp_path):
+    drafts = tmp_path / "drafts"
+    assert run_step(promote, promote_cfg(tmp_path, "good", 1.5), tmp_path) == 0
+    missing = promote_cfg(tmp_path, "nofig", None)
+    assert run_step(promote, missing, tmp_path) == EXIT_BAD_INPUT
+    broken = promote_cfg(tmp_path, "broken", 9.9)
+    (Path(broken["candidate_dir"]) / "config.json").unlink()
+    assert run_step(promote, broken, tmp_path) == EXIT_BAD_INPUT
+    assert current_tag(drafts) == "good"
+    assert not (tmp_path / "runs" / "broken" / "promote").exists()
