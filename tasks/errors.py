@@ -1,0 +1,54 @@
+"""What can go wrong when the controller acts on a host, sorted by whether a retry can help.
+
+Transient (retried with backoff): the connection was refused, dropped or reset (`HostUnreachable`);
+the remote process crashed, was killed or ran out of time (`RemoteFault`, `CommandTimedOut`).
+Not transient (fail at once): the input is wrong (`BadInputError`, a remote exit 65), the host key
+is unknown or changed (`HostKeyRefused`), the login was refused (`LoginRefused`).
+
+A Prefect task opts in with `@task(retries=3, retry_condition_fn=retry_condition)`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+
+class EagletError(Exception):
+    """Base of every error eaglet raises on purpose."""
+
+
+class BadInputError(EagletError):
+    """The input is wrong (a missing file, a bad parameter, a remote exit 65). Never retried."""
+
+
+class HostUnreachable(EagletError):
+    """The SSH connection was refused, timed out, dropped or reset. Transient."""
+
+
+class RemoteFault(EagletError):
+    """A remote command failed for a reason other than bad input (a crash, a kill). Transient."""
+
+
+class CommandTimedOut(RemoteFault):
+    """A command ran past its timeout; its process tree on the host was ended."""
+
+
+class HostKeyRefused(EagletError):
+    """The host's key is unknown or differs from known_hosts. A configuration error: not retried."""
+
+
+class LoginRefused(EagletError):
+    """The host refused every key offered (wrong user, key or passphrase). Not retried."""
+
+
+_TRANSIENT = (HostUnreachable, RemoteFault)
+
+
+def is_transient(exc: BaseException | None) -> bool:
+    """True when trying again may succeed: a connection fault or a remote crash, never bad input."""
+    return isinstance(exc, _TRANSIENT)
+
+
+def retry_condition(task: Any, task_run: Any, state: Any) -> bool:
+    """Prefect `retry_condition_fn`: retry the task run only when it failed on a transient error."""
+    exc = state.data if isinstance(state.data, BaseException) else state.result(raise_on_failure=False)
+    return is_transient(exc)
