@@ -1,0 +1,100 @@
+"""The shape of an EAGLE-3 draft, read from its target's config.json.
+
+    cfg = DraftConfig.from_target_config(json.load(open("target/config.json")),
+                                         draft_vocab_size=32000, aux_layer_ids=(2, 16, 29))
+
+The draft is one Llama-style decoder layer on top of the target's hidden states, so every shape
+but the draft vocabulary comes from the target (FACTS.md, "EAGLE-3 conventions").
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROPE_TYPES = ("default", "linear", "llama3")  # what remote.draft.model.rope_frequencies computes
+
+
+@dataclass(frozen=True, kw_only=True)
+class DraftConfig:
+    hidden_size: int  # H: the draft's width, equal to the target's hidden size
+    num_heads: int  # attention query heads
+    num_kv_heads: int  # attention key/value heads (grouped-query attention when fewer than num_heads)
+    head_dim: int  # width of one attention head
+    intermediate_size: int  # SwiGLU inner width
+    target_vocab_size: int  # the target's vocabulary (rows of its embedding)
+    draft_vocab_size: int  # rows of the draft's lm_head (the draft vocabulary)
+    aux_layer_ids: tuple[int, ...]  # HF hidden-state indices the capture took (vLLM's eagle_aux_hidden_state_layer_ids)
+    rms_norm_eps: float = 1e-6  # epsilon of every RMSNorm
+    rope_theta: float = 10000.0  # rotary base
+    rope_scaling: dict | None = None  # HF rope_scaling dict (rope_type default, linear or llama3), or None
+    max_position_embeddings: int = 8192  # written to the exported config (vLLM sizes its rope cache by it)
+    target_hidden_size: int | None = None  # width of the captured states when it differs from H (None: H)
+    extra: dict = field(default_factory=dict)  # target config keys copied into the export verbatim (bos/eos ids)
+
+    def __post_init__(self):
+        for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+                     "target_vocab_size", "draft_vocab_size"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be positive")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.draft_vocab_size > self.target_vocab_size:
+            raise ValueError(f"draft_vocab_size={self.draft_vocab_size} exceeds target_vocab_size={self.target_vocab_size}")
+        if not self.aux_layer_ids:
+            raise ValueError("aux_layer_ids is empty: EAGLE-3 needs the capture's aux layer ids")
+        object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        rope_type = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_scaling type {rope_type!r} is not supported by the draft (supported: {ROPE_TYPES}); "
+                             "pass draft_overrides={'rope_scaling': None} to train the draft with plain rotary")
+
+    @property
+    def n_aux(self) -> int:
+        return len(self.aux_layer_ids)
+
+    @property
+    def fc_in(self) -> int:
+        return self.n_aux * (self.target_hidden_size or self.hidden_size)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DraftConfig":
+        return cls(**d)
+
+    @classmethod
+    def from_target_config(cls, target: dict, *, draft_vocab_size: int, aux_layer_ids, **overrides) -> "DraftConfig":
+        """Shapes from a target's config.json dict (multimodal wrappers: its `text_config`)."""
+        t = target.get("text_config") or target
+        heads = int(t["num_attention_heads"])
+        hidden = int(t["hidden_size"])
+        rope = t.get("rope_parameters") or {}  # transformers 5 folds theta and scaling into one dict
+        scaling = t.get("rope_scaling") or ({k: v for k, v in rope.items() if k != "rope_theta"} or None)
+        if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
+            scaling = None
+        values = dict(
+            hidden_size=hidden,
+            num_heads=heads,
+            num_kv_heads=int(t.get("num_key_value_heads") or heads),
+            head_dim=int(t.get("head_dim") or hidden // heads),
+            intermediate_size=int(t["intermediate_size"]),
+            target_vocab_size=int(t["vocab_size"]),
+            draft_vocab_size=int(draft_vocab_size),
+            aux_layer_ids=tuple(aux_layer_ids),
+            rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(t.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+            rope_scaling=scaling,
+            max_position_embeddings=int(t.get("max_position_embeddings") or 8192),
+            extra={k: t[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in t},
+        )
+        values.update(overrides)
+        return cls(**values)
+
+    @classmethod
+    def from_target_dir(cls, target_dir: str | Path, **kw) -> "DraftConfig":
+        return cls.from_target_config(json.loads((Path(target_dir) / "config.json").read_text()), **kw)

@@ -1,0 +1,124 @@
+"""Training data from a capture: an index of the train samples, packing plans, packed batches.
+
+    index = CaptureIndex.build(CaptureSet.from_manifest(capture_dir), split="train")
+    plan = pack(index.lengths, token_budget=8192, seed=0, epoch=0)   # [[sample indices], ...]
+    batch = index.load(plan[i], token_budget=8192)                   # a remote.draft.loss.PackedBatch
+
+The index reads only shard headers and `cu_seqlens`; a batch reads its samples' rows through
+safetensors slices, so a capture larger than memory trains without loading whole shards.
+(remote.capture_store owns the format; this reads the same keys.)
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+
+from remote.capture_store import SHARD_KEYS, CaptureSet
+from remote.draft.loss import PackedBatch
+from remote.step import BadInput
+
+
+@dataclass(frozen=True)
+class SampleRef:
+    shard: str
+    start: int  # first row in the shard
+    length: int
+    sample_id: str
+
+
+class CaptureIndex:
+    def __init__(self, refs: list[SampleRef], hidden_size: int, n_aux: int):
+        self.refs, self.hidden_size, self.n_aux = refs, hidden_size, n_aux
+
+    @property
+    def lengths(self) -> list[int]:
+        return [r.length for r in self.refs]
+
+    @classmethod
+    def build(cls, capture: CaptureSet, split: str = "train") -> "CaptureIndex":
+        refs = []
+        for shard in capture.shards:
+            with safe_open(shard, framework="pt") as f:
+                meta = f.metadata() or {}
+                missing = [k for k in SHARD_KEYS if k not in f.keys()]
+                if missing or "sample_ids" not in meta:
+                    raise BadInput(f"{shard}: not an eaglet capture shard (missing {missing or ['sample_ids']})")
+                cu = f.get_tensor("cu_seqlens").tolist()
+            ids, splits = json.loads(meta["sample_ids"]), json.loads(meta["splits"])
+            for i, (sid, sp) in enumerate(zip(ids, splits)):
+                if sp == split and (capture.sample_ids is None or sid in capture.sample_ids):
+                    refs.append(SampleRef(shard, cu[i], cu[i + 1] - cu[i], sid))
+        if not refs:
+            raise BadInput(f"the capture has no {split!r} samples (shards: {list(capture.shards)})")
+        return cls(refs, capture.hidden_size, len(capture.layer_ids))
+
+    def load(self, sample_idxs: list[int], token_budget: int, pad_multiple: int = 1) -> PackedBatch:
+        """Pack these samples (each cut to the budget) into one batch, padded to pad_multiple rows."""
+        parts = {k: [] for k in ("input_ids", "loss_mask", "hidden_states", "last_hidden_state")}
+        lengths = []
+        by_shard: dict[str, list[tuple[int, SampleRef]]] = {}
+        for pos, i in enumerate(sample_idxs):
+            by_shard.setdefault(self.refs[i].shard, []).append((pos, self.refs[i]))
+        rows: dict[int, dict[str, torch.Tensor]] = {}
+        for shard, refs in by_shard.items():
+            with safe_open(shard, framework="pt") as f:
+                sl = {k: f.get_slice(k) for k in parts}
+                for pos, r in refs:
+                    n = min(r.length, token_budget)
+                    rows[pos] = {k: sl[k][r.start:r.start + n] for k in parts}
+                    _check(rows[pos], r, self.n_aux * self.hidden_size, self.hidden_size)
+        for pos in range(len(sample_idxs)):
+            for k in parts:
+                parts[k].append(rows[pos][k])
+            lengths.append(len(rows[pos]["input_ids"]))
+        t = sum(lengths)
+        pad = (-t) % pad_multiple
+        doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+        positions = torch.cat([torch.arange(n) for n in lengths])
+        aux, last = torch.cat(parts["hidden_states"]), torch.cat(parts["last_hidden_state"])
+        ids, mask = torch.cat(parts["input_ids"]).long(), torch.cat(parts["loss_mask"]).bool()
+        if pad:  # padding rows: their own sample id, no loss; only so compiled kernels see few shapes
+            doc = torch.cat([doc, torch.full((pad,), len(lengths))])
+            positions = torch.cat([positions, torch.arange(pad)])
+            aux = torch.cat([aux, aux.new_zeros(pad, aux.shape[1])])
+            last = torch.cat([last, last.new_zeros(pad, last.shape[1])])
+            ids = torch.cat([ids, ids.new_zeros(pad)])
+            mask = torch.cat([mask, mask.new_zeros(pad)])
+        return PackedBatch(ids, mask, aux, last, positions, doc, n_tokens=t)
+
+
+def _check(t: dict[str, torch.Tensor], r: SampleRef, aux_width: int, hidden: int) -> None:
+    """Capture -> train hand-off: shapes and finite values, naming the sample that is wrong."""
+    n = len(t["input_ids"])
+    where = f"sample {r.sample_id!r} of {r.shard}"
+    if t["hidden_states"].shape != (n, aux_width) or t["last_hidden_state"].shape != (n, hidden):
+        raise BadInput(f"{where}: hidden states {tuple(t['hidden_states'].shape)} / {tuple(t['last_hidden_state'].shape)}, "
+                       f"expected ({n}, {aux_width}) / ({n}, {hidden})")
+    for k in ("hidden_states", "last_hidden_state"):
+        if not torch.isfinite(t[k]).all():
+            raise BadInput(f"{where}: {k} holds NaN or Inf")
+
+
+def pack(lengths: list[int], token_budget: int, seed: int, epoch: int) -> list[list[int]]:
+    """Shuffle (seed, epoch) and pack greedily into batches of at most token_budget tokens.
+
+    Sample order is the only randomness of the data: the same (seed, epoch) gives the same plan on
+    every rank and after every resume. A sample longer than the budget gets a batch to itself (cut).
+    """
+    order = list(range(len(lengths)))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    batches, cur, used = [], [], 0
+    for i in order:
+        n = min(lengths[i], token_budget)
+        if cur and used + n > token_budget:
+            batches.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += n
+    if cur:
+        batches.append(cur)
+    return batches

@@ -1,0 +1,179 @@
+"""The training-time-test objective of an EAGLE-3 draft.
+
+    head = TargetHead.from_weights(norm_w, lm_head_w, t2d, eps)     # frozen target pieces
+    tgt = head.targets(batch, ttt_steps)                            # no grad: soft targets, valid masks
+    obj = TTTObjective(draft, ttt_steps=7)
+    loss, stats = obj(batch, tgt, denom=tgt.counts)                 # denom: valid positions per step
+
+Alignment (vLLM's, see FACTS.md): the draft at packed position t of step k reads token t+1+k with
+rotary position pos[t]+k and predicts token t+2+k, whose target distribution is the target's
+softmax at t+1+k (its lm_head over its final norm of the captured last state), restricted to the
+draft vocabulary. A position counts when token t+2+k is in the same sample, is loss-masked (the
+assistant wrote it), and the target's full-vocabulary top-1 there is inside the draft vocabulary.
+
+loss = sum_k decay**k * (sum of soft CE over step k's counted positions) / denom[k]
+
+With denom the count over the whole global batch (every rank, every accumulated micro-batch), the
+gradient is the same whether the batch is split over processes or not (the trainer multiplies by
+the world size to undo DDP's averaging).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from remote.draft.model import EagleDraft, TTTAttention
+
+
+@dataclass
+class PackedBatch:
+    """Samples packed back to back (no padding compute); what the draft trains on."""
+
+    input_ids: torch.Tensor  # [T] int64
+    loss_mask: torch.Tensor  # [T] bool
+    aux: torch.Tensor  # [T, n_aux*H] captured aux hidden states
+    last: torch.Tensor  # [T, H] captured final (pre-norm) state
+    positions: torch.Tensor  # [T] int64, position inside its sample
+    doc_ids: torch.Tensor  # [T] int64, which sample (padding rows get their own id)
+    n_tokens: int = 0  # rows that are real tokens (the rest is padding at the end)
+
+    def to(self, device, dtype=None) -> "PackedBatch":
+        f = {k: getattr(self, k).to(device, non_blocking=True) for k in self.__dataclass_fields__ if k != "n_tokens"}
+        if dtype is not None:
+            f["aux"], f["last"] = f["aux"].to(dtype), f["last"].to(dtype)
+        return PackedBatch(**f, n_tokens=self.n_tokens)
+
+
+@dataclass
+class StepTargets:
+    logits: torch.Tensor  # [T, Vd] target logits over the draft vocabulary (compute dtype)
+    valid: torch.Tensor  # [K, T] bool: position t of step k counts
+    counts: torch.Tensor  # [K] float32: valid positions per step in this batch
+
+
+class TargetHead:
+    """The frozen target pieces the loss needs: final norm and lm_head rows (draft ones, the rest)."""
+
+    def __init__(self, norm_weight: torch.Tensor, draft_rows: torch.Tensor, other_rows: torch.Tensor | None,
+                 eps: float, chunk: int = 4096):
+        self.norm_weight, self.draft_rows, self.other_rows, self.eps, self.chunk = norm_weight, draft_rows, other_rows, eps, chunk
+
+    @classmethod
+    def from_weights(cls, norm_weight, lm_head, t2d: torch.Tensor, eps: float, drop_outside_top1: bool = True, **kw):
+        """lm_head [V, H] of the target; t2d [V] bool. Without drop_outside_top1 the other rows are not kept."""
+        rows = t2d.nonzero().squeeze(1)
+        other = lm_head[~t2d].contiguous() if drop_outside_top1 and bool((~t2d).any()) else None
+        return cls(norm_weight, lm_head[rows].contiguous(), other, eps, **kw)
+
+    def to(self, device, dtype) -> "TargetHead":
+        mv = lambda x: None if x is None else x.to(device, dtype)  # noqa: E731
+        return TargetHead(self.norm_weight.to(device, dtype), mv(self.draft_rows), mv(self.other_rows), self.eps, self.chunk)
+
+    @torch.no_grad()
+    def targets(self, b: PackedBatch, ttt_steps: int) -> StepTargets:
+        x = b.last.float()
+        normed = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(b.last.dtype) * self.norm_weight
+        logits = normed @ self.draft_rows.T
+        in_draft = torch.ones(len(x), dtype=torch.bool, device=x.device)
+        if self.other_rows is not None:
+            best = logits.max(-1).values
+            for a in range(0, len(x), self.chunk):  # chunked: [T, V - Vd] would not fit at 128k vocab
+                other = (normed[a:a + self.chunk] @ self.other_rows.T).max(-1).values
+                in_draft[a:a + self.chunk] = best[a:a + self.chunk] >= other
+        t = len(x)
+        idx = torch.arange(t, device=x.device)
+        valid = []
+        for k in range(ttt_steps):
+            j = (idx + 2 + k).clamp(max=t - 1)  # the predicted token
+            v = (idx + 2 + k < t) & (b.doc_ids[j] == b.doc_ids) & b.loss_mask[j] & in_draft[(idx + 1 + k).clamp(max=t - 1)]
+            valid.append(v)
+        valid = torch.stack(valid)
+        return StepTargets(logits, valid, valid.sum(1).float())
+
+
+# ----------------------------------------------------------------------------- fused head + soft CE
+def _soft_ce_chunk(logits: torch.Tensor, target_logits: torch.Tensor, w: torch.Tensor):
+    """Per-row weighted soft CE, its gradient w.r.t. logits, and top-1 agreement."""
+    logits, tl = logits.float(), target_logits.float()
+    logp = torch.log_softmax(logits, -1)
+    pt = torch.softmax(tl, -1)
+    ce = -(pt * logp).sum(-1)
+    grad = (logp.exp() - pt) * w[:, None]
+    agree = logits.argmax(-1) == tl.argmax(-1)
+    return (ce * w).sum(), ce.detach(), grad, agree
+
+
+class HeadSoftCE(torch.autograd.Function):
+    """sum_r w_r * CE(softmax(target_r), softmax(h_r @ W^T)) without keeping [rows, V] logits.
+
+    The gradients are computed chunk by chunk in the forward (they need the same softmax) and
+    only scaled in the backward: no logits are stored, and no matmul is done twice.
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, target_logits, rows, trows, w, chunk, chunk_fn):
+        dt = h.dtype
+        wc = weight.to(dt)
+        hr = h[rows]
+        grad_hr = torch.empty_like(hr)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if weight.requires_grad else None
+        loss = torch.zeros((), dtype=torch.float32, device=h.device)
+        ce_sum = torch.zeros((), dtype=torch.float32, device=h.device)
+        correct = torch.zeros((), dtype=torch.float32, device=h.device)
+        for a in range(0, len(rows), chunk):
+            hc = hr[a:a + chunk]
+            l, ce, g, agree = chunk_fn(hc @ wc.T, target_logits[trows[a:a + chunk]], w[a:a + chunk])
+            loss += l
+            ce_sum += ce.sum()
+            correct += agree.sum()
+            g = g.to(dt)
+            grad_hr[a:a + chunk] = g @ wc
+            if grad_w is not None:
+                grad_w += (g.T @ hc).float()
+        grad_h = torch.zeros_like(h).index_copy_(0, rows, grad_hr)
+        ctx.save_for_backward(grad_h, grad_w if grad_w is not None else torch.empty(0))
+        ctx.has_w = grad_w is not None
+        ctx.mark_non_differentiable(ce_sum, correct)
+        return loss, ce_sum, correct
+
+    @staticmethod
+    def backward(ctx, go, _ce, _correct):
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * go.to(grad_h.dtype), (grad_w * go) if ctx.has_w else None, None, None, None, None, None, None
+
+
+class TTTObjective(nn.Module):
+    """The draft unrolled over TTT steps, with its loss: the module DDP wraps."""
+
+    def __init__(self, draft: EagleDraft, ttt_steps: int = 7, decay: float = 0.8, attention: str = "dense",
+                 compiled: bool = False, chunk: int = 2048):
+        super().__init__()
+        if ttt_steps < 1:
+            raise ValueError(f"ttt_steps={ttt_steps}: need at least 1")
+        self.draft, self.ttt_steps, self.decay, self.attention, self.compiled = draft, ttt_steps, decay, attention, compiled
+        self.chunk = chunk
+        self._chunk_fn = torch.compile(_soft_ce_chunk, dynamic=True) if compiled else _soft_ce_chunk
+
+    def forward(self, b: PackedBatch, tgt: StepTargets, denom: torch.Tensor):
+        """Returns (loss, stats) with stats[k] = (sum of CE, top-1 agreements, counted positions)."""
+        d = self.draft
+        t = len(b.input_ids)
+        idx = torch.arange(t, device=b.input_ids.device)
+        attn = TTTAttention(b.doc_ids, self.attention, self.compiled)
+        hidden = d.fc(b.aux)
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        stats = []
+        for k in range(self.ttt_steps):
+            nxt = (idx + 1 + k).clamp(max=t - 1)
+            prenorm, normed = d.step(d.embed(b.input_ids[nxt]), hidden, b.positions + k, attn)
+            rows = tgt.valid[k].nonzero().squeeze(1)
+            scale = (self.decay ** k) / denom[k].clamp(min=1.0)
+            w = torch.full((len(rows),), 1.0, device=hidden.device) * scale
+            lk, ce, correct = HeadSoftCE.apply(normed, d.lm_head.weight, tgt.logits, rows, (rows + 1 + k),
+                                               w, self.chunk, self._chunk_fn)
+            loss = loss + lk
+            stats.append(torch.stack([ce, correct, tgt.counts[k]]))
+            hidden = prenorm
+        return loss, torch.stack(stats)
