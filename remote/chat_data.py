@@ -1,0 +1,348 @@
+"""Reading chat conversations from the files people have, into one normalized form.
+
+    from remote.chat_data import ReadReport, read_conversations
+    report = ReadReport()
+    for conv in read_conversations(["data/", "more.jsonl"], report):
+        conv.turns      # (("system", "..."), ("user", "hi"), ("assistant", "hello"))
+        conv.sample_id  # sha256 of the normalized turns: the same text is the same sample
+    report.bad          # Counter: reason -> rows skipped; report.examples: the first few, with file:line
+
+Accepted records: ShareGPT (`{"conversations": [{"from": "human", "value": ...}, ...]}`, roles
+human/user, gpt/chatgpt/bing/bard/assistant/model, system) and OpenAI (`{"messages": [{"role":
+"user", "content": ...}, ...]}`). Accepted inputs: JSONL, JSON (an array of records, also one cut
+off mid-record: the whole records before the cut are kept and the cut is reported), Parquet, a
+folder of these (walked in name order), a `datasets` dataset saved with `save_to_disk`, and
+`hub:NAME[:SPLIT]` for a hub dataset where a network exists.
+
+A good conversation is: an optional system turn first, then user and assistant turns strictly
+alternating from a user turn, every content a non-empty string, at least one assistant turn. A
+trailing user turn (no answer to learn from) is trimmed and counted in `report.notes`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from remote.step import BadInput
+
+# Every role spelling seen in ShareGPT dumps and OpenAI files, and what it means.
+ROLES = {
+    "system": "system", "developer": "system",
+    "human": "user", "user": "user",
+    "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant",
+    "assistant": "assistant", "model": "assistant",
+}
+FILE_SUFFIXES = (".jsonl", ".ndjson", ".json", ".parquet")
+EXAMPLES_PER_REASON = 3  # bad rows shown in the report: the first ones met of each reason
+
+# Reasons a row is skipped (the keys of ReadReport.bad).
+BROKEN_JSON = "broken_json"  # a JSONL line that does not parse
+TRUNCATED_FILE = "truncated_file"  # a JSON array cut off: counted once, where it broke
+NOT_A_CONVERSATION = "not_a_conversation"  # no `conversations` / `messages` list in the record
+MALFORMED_TURN = "malformed_turn"  # a turn that is not an object
+UNKNOWN_ROLE = "unknown_role"
+NON_STRING_CONTENT = "non_string_content"
+EMPTY_CONTENT = "empty_content"
+NOT_ALTERNATING = "not_alternating"  # system not first, two users in a row, starts with the assistant
+NO_ASSISTANT_TURN = "no_assistant_turn"
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    """One normalized conversation and where it was read."""
+
+    turns: tuple[tuple[str, str], ...]  # (role, content), roles "system" | "user" | "assistant"
+    where: str  # "file:line" (JSON), "file:row N" (Parquet, datasets)
+
+    @property
+    def sample_id(self) -> str:
+        return conversation_hash(self.turns)
+
+
+def conversation_hash(turns: Iterable[tuple[str, str]]) -> str:
+    """The stable content hash of a normalized conversation (hex sha256 of its canonical JSON)."""
+    canon = json.dumps([list(t) for t in turns], ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(canon.encode("utf-8")).hexdigest()
+
+
+@dataclass
+class ReadReport:
+    """What reading found: rows seen, rows skipped by reason with the first few examples."""
+
+    rows: int = 0  # records met (good and bad), broken JSON lines included
+    bad: Counter = field(default_factory=Counter)  # reason -> rows skipped
+    examples: list[dict] = field(default_factory=list)  # the first few skipped rows of each reason
+    notes: Counter = field(default_factory=Counter)  # kept rows that were changed, files ignored
+    rows_by_file: dict[str, int] = field(default_factory=dict)  # file -> records met there (files read so far)
+    files: int = 0  # files to read in all
+
+    def skip(self, reason: str, where: str, detail: str) -> None:
+        self.bad[reason] += 1
+        if self.bad[reason] <= EXAMPLES_PER_REASON:
+            self.examples.append({"reason": reason, "where": where, "detail": detail[:200]})
+
+    def lost(self, reason: str, where: str, detail: str) -> None:
+        """A row that never became a record (broken JSON): it counts as a row and as a bad one."""
+        self.rows += 1
+        self.skip(reason, where, detail)
+
+
+class BadRecord(Exception):
+    """A record that is not a usable conversation: `reason` is one of the constants above."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason, self.detail = reason, detail
+
+
+# ----------------------------------------------------------------------------- records -> turns
+def parse_record(rec: Any) -> tuple[tuple[tuple[str, str], ...], bool]:
+    """(turns, trimmed) of one record, or raises BadRecord. trimmed: a trailing user turn was cut."""
+    if not isinstance(rec, dict):
+        raise BadRecord(NOT_A_CONVERSATION, f"a record must be a JSON object, got {type(rec).__name__}")
+    raw = rec.get("conversations", rec.get("messages"))
+    if not isinstance(raw, list):
+        raise BadRecord(NOT_A_CONVERSATION, f"no 'conversations' or 'messages' list (keys: {sorted(rec)[:8]})")
+    turns = tuple(_turn(t, i) for i, t in enumerate(raw))
+    trimmed = bool(turns) and turns[-1][0] == "user"
+    if trimmed:
+        turns = turns[:-1]
+    _check_order(turns)
+    return turns, trimmed
+
+
+def _turn(t: Any, i: int) -> tuple[str, str]:
+    if not isinstance(t, dict):
+        raise BadRecord(MALFORMED_TURN, f"turn {i} is {type(t).__name__}, not an object")
+    # ShareGPT spells it from/value, OpenAI role/content; some ShareGPT dumps mix the two.
+    who = t.get("from", t.get("role"))
+    role = ROLES.get(who.lower()) if isinstance(who, str) else None
+    if role is None:
+        raise BadRecord(UNKNOWN_ROLE, f"turn {i} has role {who!r}; known: {sorted(ROLES)}")
+    content = t.get("value", t.get("content"))
+    if not isinstance(content, str):
+        raise BadRecord(NON_STRING_CONTENT, f"turn {i} ({role}) content is {type(content).__name__}, not a string")
+    if not content.strip():
+        raise BadRecord(EMPTY_CONTENT, f"turn {i} ({role}) is empty")
+    return role, content
+
+
+def _check_order(turns: tuple[tuple[str, str], ...]) -> None:
+    body = turns[1:] if turns and turns[0][0] == "system" else turns
+    for i, (role, _) in enumerate(body):
+        want = "user" if i % 2 == 0 else "assistant"
+        if role != want:
+            at = i + len(turns) - len(body)
+            raise BadRecord(NOT_ALTERNATING, f"turn {at} is {role}, expected {want}")
+    if not any(role == "assistant" for role, _ in body):
+        raise BadRecord(NO_ASSISTANT_TURN, f"{len(turns)} turn(s), none by the assistant")
+
+
+# ----------------------------------------------------------------------------- inputs -> records
+def read_conversations(inputs: Iterable[str], report: ReadReport) -> Iterator[Conversation]:
+    """The good conversations of every input in order; bad rows are counted in `report`."""
+    for where, rec in iter_records(inputs, report):
+        try:
+            turns, trimmed = parse_record(rec)
+        except BadRecord as e:
+            report.skip(e.reason, where, e.detail)
+            continue
+        if trimmed:
+            report.notes["trailing_user_turn_trimmed"] += 1
+        yield Conversation(turns, where)
+
+
+def iter_records(inputs: Iterable[str], report: ReadReport) -> Iterator[tuple[str, Any]]:
+    """(where, record) for every record of the inputs. Broken JSON is reported, not yielded."""
+    for f in input_files(inputs, report):
+        before = report.rows
+        yield from _hub_records(f[4:]) if isinstance(f, str) else _file_records(f, report)
+        report.rows_by_file[str(f)] = report.rows - before
+
+
+def input_files(inputs: Iterable[str], report: ReadReport) -> list[Path | str]:
+    """Every file to read (a saved `datasets` folder counts as one; `hub:` names stay strings).
+
+    Checks every input exists before anything is read, so a typo fails at once and names the path.
+    """
+    files: list[Path | str] = []
+    for spec in inputs:
+        if spec.startswith("hub:"):
+            files.append(spec)
+            continue
+        p = Path(spec)
+        if not p.exists():
+            raise BadInput(f"input {spec} does not exist")
+        if p.is_file() and p.suffix.lower() not in FILE_SUFFIXES:
+            raise BadInput(f"input {spec}: unsupported file type {p.suffix!r}; give .jsonl, .json, .parquet, "
+                           "a folder of them or a folder saved by datasets' save_to_disk")
+        files += _walk(p, report)
+    report.files = len(files)
+    return files
+
+
+def _walk(p: Path, report: ReadReport) -> Iterator[Path]:
+    """The readable files under p, in name order; a saved `datasets` folder counts as one."""
+    if p.is_file() or is_saved_dataset(p):
+        yield p
+        return
+    for child in sorted(p.iterdir()):
+        if child.name.startswith("."):
+            continue
+        if child.is_dir():
+            yield from _walk(child, report)
+        elif child.suffix.lower() in FILE_SUFFIXES:
+            yield child
+        else:
+            report.notes["ignored_files"] += 1
+
+
+def is_saved_dataset(p: Path) -> bool:
+    return p.is_dir() and ((p / "dataset_dict.json").is_file()
+                           or ((p / "dataset_info.json").is_file() and (p / "state.json").is_file()))
+
+
+def _file_records(p: Path, report: ReadReport) -> Iterator[tuple[str, Any]]:
+    if p.is_dir():
+        gen = _dataset_records(p)
+    elif p.suffix.lower() == ".parquet":
+        gen = _parquet_records(p)
+    elif p.suffix.lower() == ".json":
+        gen = _json_records(p, report)
+    else:
+        gen = _jsonl_records(p, _file_lines(p), report)
+    for item in gen:
+        report.rows += 1
+        yield item
+
+
+def _file_lines(p: Path) -> Iterator[str]:
+    """A text file's lines, streamed. Lines end at \n (or \r\n) only: JSON text may hold U+2028 and
+    other characters that str.splitlines would also split at."""
+    try:
+        with open(p, encoding="utf-8", newline="") as f:
+            yield from f
+    except UnicodeDecodeError as e:
+        raise BadInput(f"{p}: not UTF-8 text ({e})") from e
+
+
+def _read_text(p: Path) -> str:
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise BadInput(f"{p}: not UTF-8 text ({e})") from e
+
+
+def _jsonl_records(p: Path, lines: Iterable[str], report: ReadReport) -> Iterator[tuple[str, Any]]:
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            report.lost(BROKEN_JSON, f"{p}:{n}", str(e))
+            continue
+        yield f"{p}:{n}", rec
+
+
+_WS = re.compile(r"[ \t\r\n]*")
+
+
+def _json_records(p: Path, report: ReadReport) -> Iterator[tuple[str, Any]]:
+    """An array decoded record by record, so a file cut off mid-record still gives its whole records."""
+    text = _read_text(p)
+    pos = _WS.match(text, 0).end()
+    if pos == len(text):
+        return
+    if text[pos] != "[":
+        try:  # one record, or JSON lines in a file named .json
+            rec = json.loads(text)
+        except json.JSONDecodeError:
+            yield from _jsonl_records(p, text.split("\n"), report)
+            return
+        yield f"{p}:{text.count(chr(10), 0, pos) + 1}", rec
+        return
+    decoder, line, counted = json.JSONDecoder(), 1, 0
+    pos += 1
+    while True:
+        pos = _WS.match(text, pos).end()
+        if pos < len(text) and text[pos] == "]":
+            return
+        line += text.count("\n", counted, pos)
+        counted = pos
+        try:
+            rec, end = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as e:
+            report.lost(TRUNCATED_FILE, f"{p}:{line}", f"the JSON array breaks off here ({e.msg}); "
+                        "the records before it are kept")
+            return
+        yield f"{p}:{line}", rec
+        pos = _WS.match(text, end).end()
+        if pos < len(text) and text[pos] == ",":
+            pos += 1
+        elif pos >= len(text) or text[pos] != "]":
+            line += text.count("\n", counted, pos)
+            report.lost(TRUNCATED_FILE, f"{p}:{line}", "the JSON array does not go on or close here; "
+                        "the records before it are kept")
+            return
+
+
+def _parquet_records(p: Path) -> Iterator[tuple[str, Any]]:
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(p)
+    except Exception as e:  # pyarrow raises several kinds for a file that is not Parquet
+        raise BadInput(f"{p}: not a readable Parquet file ({e})") from e
+    names = set(pf.schema_arrow.names)
+    columns = [c for c in ("conversations", "messages") if c in names] or None
+    row = 0
+    for batch in pf.iter_batches(batch_size=1024, columns=columns):
+        for rec in batch.to_pylist():
+            row += 1
+            yield f"{p}:row {row}", _without_nulls(rec)
+
+
+def _without_nulls(rec: dict) -> dict:
+    """Parquet stores a missing column as null: drop those, so `conversations` or `messages` is found."""
+    return {k: v for k, v in rec.items() if v is not None}
+
+
+def _dataset_records(p: Path) -> Iterator[tuple[str, Any]]:
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(p))
+    except Exception as e:  # datasets raises FileNotFoundError, ValueError, ... for a broken folder
+        raise BadInput(f"{p}: not a readable saved dataset ({e})") from e
+    yield from _dataset_rows(ds, str(p))
+
+
+def _dataset_rows(ds: Any, name: str) -> Iterator[tuple[str, Any]]:
+    import datasets
+
+    parts = sorted(ds.items()) if isinstance(ds, datasets.DatasetDict) else [(None, ds)]
+    for split, part in parts:
+        columns = [c for c in ("conversations", "messages") if c in part.column_names]
+        if columns:
+            part = part.select_columns(columns)
+        label = f"{name}[{split}]" if split else name
+        for i, rec in enumerate(part, 1):
+            yield f"{label}:row {i}", _without_nulls(rec)
+
+
+def _hub_records(spec: str) -> Iterator[tuple[str, Any]]:
+    """A dataset by hub name, `NAME` or `NAME:SPLIT`; needs a network (not the case in tests)."""
+    import datasets
+
+    name, _, split = spec.partition(":")
+    try:
+        ds = datasets.load_dataset(name, split=split or None)
+    except Exception as e:  # offline, unknown name, no access: all say the same to the user
+        raise BadInput(f"input hub:{spec}: cannot load the dataset {name!r} ({type(e).__name__}: {e})") from e
+    yield from _dataset_rows(ds, f"hub:{name}")
