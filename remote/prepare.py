@@ -1,0 +1,366 @@
+"""The prepare step: chat conversations -> the tokenized dataset that capture and training read.
+
+    python -m remote.prepare --config c.json
+    # {"inputs": ["chats/", "more.jsonl"], "tokenizer": "/models/target", "out_dir": "/runs/r1/prepare"}
+
+writes out_dir/data.parquet, one row a sample, in input order (first occurrence of each conversation):
+
+    sample_id  str            hex sha256 of the normalized conversation (remote.chat_data.conversation_hash)
+    input_ids  list<int32>    the conversation rendered with the target's own chat template
+    loss_mask  list<int8>     1 on what the assistant wrote: its text and its end-of-turn marker
+    length     int32          len(input_ids)
+    split      str            "train" or "heldout", decided by sample_id alone
+
+and manifest.json with the counts (samples, dropped_by_reason, tokens, loss_tokens, truncated,
+length_histogram) and `fingerprint`: sha256 over the sorted sample ids, the tokenizer and template,
+and the length policy, so the same data prepared the same way has the same fingerprint.
+
+The loss mask comes from rendering, never from token ids: for each assistant turn j the text of
+render(turns[:j], add_generation_prompt=True) is what the model is prompted with and the text that
+render(turns[:j+1]) adds to it is the reply. Each piece is tokenized on its own (as in serving: the
+prompt is tokenized, the reply is generated) and the reply's tokens are 1 through the last special
+token the template puts after the text (`<|im_end|>`, `<|eot_id|>`, `</s>`); what follows that
+marker (ChatML's newline) is template scaffolding the model never writes, so it is 0. A template
+that does not render a conversation as a growing prefix (e.g. one that rewrites earlier turns) keeps
+the turns up to the first place where it stops doing so.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from itertools import islice
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from remote.chat_data import BadRecord, Conversation, ReadReport, input_files, read_conversations
+from remote.step import BadInput, StepOutput, load_config, log, progress, step_main
+
+STEP = "prepare"
+DATA_FILE = "data.parquet"
+LONG_POLICIES = ("truncate", "drop")
+# Drops by policy, not by bad data: they do not count against max_bad_fraction.
+DUPLICATE, TOO_LONG, NO_LOSS_LEFT = "duplicate", "too_long", "no_loss_tokens_after_truncation"
+POLICY_DROPS = (DUPLICATE, TOO_LONG, NO_LOSS_LEFT)
+# Bad data found only with the target's tokenizer.
+SPECIAL_TOKEN_IN_TEXT = "special_token_in_text"  # text that would tokenize as a control token
+TEMPLATE_ERROR = "template_error"  # the template refused the conversation (e.g. no system role)
+TEMPLATE_NOT_INCREMENTAL = "template_not_incremental"  # no assistant turn renders as a growing prefix
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrepareConfig:
+    inputs: tuple[str, ...]  # conversation files, folders, saved datasets folders, or hub:NAME[:SPLIT]
+    tokenizer: str  # the target model's folder: its tokenizer and chat template are used
+    out_dir: str  # where data.parquet and manifest.json go (through out_dir.partial)
+    max_length: int = 2048  # tokens a sample may have at most
+    long_policy: str = "truncate"  # longer samples: "truncate" keeps the first max_length tokens, "drop" skips them
+    heldout_permille: int = 20  # share of samples (per thousand, by hash) in the held-out split
+    max_bad_fraction: float = 0.5  # fail when more than this share of the rows read is malformed
+    max_samples: int | None = None  # stop after this many samples (the first ones in input order)
+    batch_size: int = 256  # conversations rendered and tokenized together
+    trust_remote_code: bool = False  # load a tokenizer that ships its own code (Kimi-K2.5's tiktoken one)
+
+    def __post_init__(self):
+        if isinstance(self.inputs, str) or not self.inputs:
+            raise ValueError("inputs must be a non-empty list of paths")
+        object.__setattr__(self, "inputs", tuple(str(p) for p in self.inputs))
+        if self.max_length < 2:
+            raise ValueError(f"max_length={self.max_length}: need at least 2 tokens")
+        if self.long_policy not in LONG_POLICIES:
+            raise ValueError(f"long_policy {self.long_policy!r}: choose one of {LONG_POLICIES}")
+        if not 0 <= self.heldout_permille <= 1000:
+            raise ValueError(f"heldout_permille={self.heldout_permille}: must lie in 0..1000")
+        if not 0.0 <= self.max_bad_fraction <= 1.0:
+            raise ValueError(f"max_bad_fraction={self.max_bad_fraction}: must lie in 0..1")
+        if self.max_samples is not None and self.max_samples < 1:
+            raise ValueError(f"max_samples={self.max_samples}: give a positive number or null")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size={self.batch_size}: must be positive")
+
+
+def split_of(sample_id: str, heldout_permille: int) -> str:
+    """The split of a sample, from its hash alone: it never moves as data is added or reordered."""
+    return "heldout" if int(sample_id[:8], 16) % 1000 < heldout_permille else "train"
+
+
+# ----------------------------------------------------------------------------- rendering + tokens
+class ChatTokenizer:
+    """The target's tokenizer and chat template, turning conversations into (input_ids, loss_mask)."""
+
+    def __init__(self, path: str, trust_remote_code: bool = False):
+        # AutoTokenizer, as vLLM loads it, so the ids are the ones the target is served with.
+        from transformers import AutoTokenizer
+
+        if not Path(path, "tokenizer_config.json").is_file() and not Path(path, "tokenizer.json").is_file():
+            raise BadInput(f"tokenizer {path}: no tokenizer files there (a target model folder is expected)")
+        self.tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        if not self.tok.chat_template:
+            raise BadInput(f"tokenizer {path} has no chat template: the loss mask needs the target's template")
+        specials = {i: t.content for i, t in self.tok.added_tokens_decoder.items() if t.special}
+        self.special_ids = frozenset(specials)
+        longest_first = sorted(specials.values(), key=len, reverse=True)
+        self._special_text = re.compile("|".join(map(re.escape, longest_first))) if specials else None
+
+    def identity(self) -> str:
+        """sha256 of everything in the tokenizer that changes the tokens: vocabulary, rules, template."""
+        backend = getattr(self.tok, "backend_tokenizer", None)
+        body = backend.to_str() if backend is not None else json.dumps(sorted(self.tok.get_vocab().items()))
+        return hashlib.sha256((body + "\0" + str(self.tok.chat_template)).encode()).hexdigest()
+
+    def pieces(self, turns: tuple[tuple[str, str], ...]) -> tuple[list[tuple[str, bool]], int]:
+        """The rendered conversation as (text, written_by_assistant) pieces, and the turns cut off."""
+        for _, content in turns:
+            if self._special_text is not None and (m := self._special_text.search(content)):
+                raise BadRecord(SPECIAL_TOKEN_IN_TEXT, f"the text holds {m.group()!r}, a control token of the tokenizer")
+        msgs = [{"role": r, "content": c} for r, c in turns]
+        out, done, kept = [], "", 0  # pieces so far, their text, the turns they cover
+        for j in (j for j, (role, _) in enumerate(turns) if role == "assistant"):
+            prompt, reply = self._render(msgs[:j], True), self._render(msgs[: j + 1], False)
+            if not (prompt.startswith(done) and reply.startswith(prompt) and len(reply) > len(prompt)):
+                if not out:
+                    raise BadRecord(TEMPLATE_NOT_INCREMENTAL, f"turn {j}: the template does not render the "
+                                    "reply as an extension of its prompt")
+                break  # keep the turns the template renders as a growing prefix
+            out += [(prompt[len(done):], False), (reply[len(prompt):], True)]
+            done, kept = reply, j + 1
+        return out, len(turns) - kept
+
+    def _render(self, msgs: list[dict], generation_prompt: bool) -> str:
+        from jinja2 import TemplateError
+
+        try:
+            return self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
+        except TemplateError as e:
+            raise BadRecord(TEMPLATE_ERROR, f"the chat template refused it: {e}") from e
+
+    def encode(self, batch: list[list[tuple[str, bool]]]) -> list[tuple[list[int], list[int]]]:
+        """(input_ids, loss_mask) of each rendered conversation; all pieces tokenized in one call."""
+        texts = [text for pieces in batch for text, _ in pieces]
+        ids_of = iter(self.tok(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"])
+        out = []
+        for pieces in batch:
+            ids, mask = [], []
+            for _, by_assistant in pieces:
+                piece = next(ids_of)
+                ids += piece
+                mask += self._reply_mask(piece) if by_assistant else [0] * len(piece)
+            out.append((ids, mask))
+        return out
+
+    def _reply_mask(self, piece: list[int]) -> list[int]:
+        """1 through the reply's last special token (its end-of-turn marker), 0 on what follows it."""
+        last = next((k for k in range(len(piece) - 1, -1, -1) if piece[k] in self.special_ids), len(piece) - 1)
+        return [1] * (last + 1) + [0] * (len(piece) - last - 1)
+
+
+# ----------------------------------------------------------------------------- the dataset file
+@dataclass
+class Tally:
+    """Counts of what was kept and dropped, for the manifest."""
+
+    samples: int = 0
+    heldout: int = 0
+    tokens: int = 0
+    loss_tokens: int = 0
+    truncated: int = 0
+    turns_cut_by_template: int = 0
+    dropped: Counter = field(default_factory=Counter)  # policy drops (POLICY_DROPS) -> samples
+    lengths: Counter = field(default_factory=Counter)  # histogram bucket -> samples
+
+    def keep(self, ids: list[int], mask: list[int], split: str) -> None:
+        self.samples += 1
+        self.heldout += split == "heldout"
+        self.tokens += len(ids)
+        self.loss_tokens += sum(mask)
+        self.lengths[_bucket(len(ids))] += 1
+
+
+def _bucket(n: int) -> int:
+    """The upper end of n's histogram bucket: powers of two from 64 (1-64, 65-128, 129-256, ...)."""
+    top = 64
+    while top < n:
+        top *= 2
+    return top
+
+
+def length_histogram(lengths: Counter) -> dict[str, int]:
+    return {f"{top // 2 + 1 if top > 64 else 1}-{top}": lengths[top] for top in sorted(lengths)}
+
+
+class DatasetWriter:
+    """Appends samples to data.parquet, one row group a batch, so memory stays one batch big."""
+
+    def __init__(self, path: Path):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        self.pa = pa
+        self.schema = pa.schema([
+            ("sample_id", pa.string()), ("input_ids", pa.list_(pa.int32())),
+            ("loss_mask", pa.list_(pa.int8())), ("length", pa.int32()), ("split", pa.string()),
+        ])
+        self.writer = pq.ParquetWriter(path, self.schema)
+
+    def write(self, rows: list[tuple[str, list[int], list[int], str]]) -> None:
+        if not rows:
+            return
+        pa = self.pa
+        offsets, flat_ids, flat_mask = [0], [], []
+        for _, ids, mask, _ in rows:
+            flat_ids += ids
+            flat_mask += mask
+            offsets.append(len(flat_ids))
+        off = pa.array(offsets, pa.int32())
+        table = pa.Table.from_arrays([
+            pa.array([r[0] for r in rows], pa.string()),
+            pa.ListArray.from_arrays(off, pa.array(flat_ids, pa.int32())),
+            pa.ListArray.from_arrays(off, pa.array(flat_mask, pa.int8())),
+            pa.array([len(r[1]) for r in rows], pa.int32()),
+            pa.array([r[3] for r in rows], pa.string()),
+        ], schema=self.schema)
+        self.writer.write_table(table)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+# ----------------------------------------------------------------------------- the step
+def run(raw: dict) -> dict:
+    cfg = load_config(PrepareConfig, raw, where="prepare config")
+    resolved = json.loads(json.dumps(asdict(cfg)))  # as the manifest holds it (lists, not tuples)
+    out = StepOutput(cfg.out_dir, STEP, resolved)
+    if (done := out.done()) is not None and done.get("config") == resolved:
+        log(f"prepare: {cfg.out_dir} is already finished ({done['counts']['samples']} samples)")
+        return done
+    input_files(cfg.inputs, ReadReport())  # a missing input fails now, before the tokenizer loads
+    chat = ChatTokenizer(cfg.tokenizer, cfg.trust_remote_code)
+    staging = out.open()
+    try:
+        report, tally, ids, seconds = prepare(cfg, chat, staging / DATA_FILE)
+        _check_enough(cfg, report, tally)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # nothing half-written stays behind
+        raise
+    counts = {
+        "samples": tally.samples, "train": tally.samples - tally.heldout, "heldout": tally.heldout,
+        "rows_read": report.rows, "bad_rows": sum(report.bad.values()),
+        "dropped_by_reason": dict(sorted((report.bad + tally.dropped).items())),
+        "tokens": tally.tokens, "loss_tokens": tally.loss_tokens, "truncated": tally.truncated,
+        "length_histogram": length_histogram(tally.lengths),
+        "notes": dict(report.notes, turns_cut_by_template=tally.turns_cut_by_template),
+    }
+    figures = {"seconds": round(seconds, 3), "samples_per_s": round(tally.samples / seconds, 1),
+               "tokens_per_s": round(tally.tokens / seconds, 1)}
+    tokenizer_id = chat.identity()
+    manifest = out.publish(
+        counts=counts, figures=figures, dataset=DATA_FILE, bad_examples=report.examples,
+        tokenizer={"path": cfg.tokenizer, "sha256": tokenizer_id},
+        fingerprint=fingerprint(sorted(ids), tokenizer_id, cfg),
+    )
+    log(f"prepare: {tally.samples} samples, {tally.tokens} tokens ({tally.loss_tokens} by the assistant), "
+        f"dropped {counts['dropped_by_reason'] or 'none'}, {figures['tokens_per_s']:.0f} tokens/s")
+    return manifest
+
+
+def prepare(cfg: PrepareConfig, chat: ChatTokenizer, path: Path) -> tuple[ReadReport, Tally, list[str], float]:
+    """Read, render, tokenize and write every batch; returns what happened and the kept sample ids."""
+    report, tally, kept = ReadReport(), Tally(), []
+    start = time.perf_counter()
+    writer = DatasetWriter(path)
+    try:
+        seen: set[str] = set()
+        for batch in _batches(_unique(read_conversations(cfg.inputs, report), seen, tally), cfg.batch_size):
+            rows = _encode_batch(cfg, chat, batch, report, tally)
+            if cfg.max_samples is not None:
+                rows = rows[: cfg.max_samples - tally.samples]
+            for sid, ids, mask, split in rows:
+                tally.keep(ids, mask, split)
+                kept.append(sid)
+            writer.write(rows)
+            progress(len(report.rows_by_file), report.files, unit="files", rows=report.rows,
+                     samples=tally.samples, tokens=tally.tokens)
+            if cfg.max_samples is not None and tally.samples >= cfg.max_samples:
+                break
+    finally:
+        writer.close()
+    return report, tally, kept, max(time.perf_counter() - start, 1e-9)
+
+
+def _unique(convs: Iterable[Conversation], seen: set[str], tally: Tally) -> Iterator[tuple[str, Conversation]]:
+    for conv in convs:
+        sid = conv.sample_id
+        if sid in seen:
+            tally.dropped[DUPLICATE] += 1
+            continue
+        seen.add(sid)
+        yield sid, conv
+
+
+def _batches(items: Iterable, n: int) -> Iterator[list]:
+    it = iter(items)
+    while batch := list(islice(it, n)):
+        yield batch
+
+
+def _encode_batch(cfg, chat, batch, report, tally) -> list[tuple[str, list[int], list[int], str]]:
+    rendered, owners = [], []
+    for sid, conv in batch:
+        try:
+            pieces, cut = chat.pieces(conv.turns)
+        except BadRecord as e:
+            report.skip(e.reason, conv.where, e.detail)
+            continue
+        tally.turns_cut_by_template += cut
+        rendered.append(pieces)
+        owners.append((sid, conv))
+    rows = []
+    for (sid, conv), (ids, mask) in zip(owners, chat.encode(rendered)):
+        if len(ids) > cfg.max_length:
+            if cfg.long_policy == "drop":
+                tally.dropped[TOO_LONG] += 1
+                continue
+            ids, mask = ids[: cfg.max_length], mask[: cfg.max_length]
+            if not any(mask):
+                tally.dropped[NO_LOSS_LEFT] += 1
+                continue
+            tally.truncated += 1
+        rows.append((sid, ids, mask, split_of(sid, cfg.heldout_permille)))
+    return rows
+
+
+def _check_enough(cfg: PrepareConfig, report: ReadReport, tally: Tally) -> None:
+    bad = sum(report.bad.values())  # malformed rows; the policy drops (tally.dropped) do not count
+    shown = "; ".join(f"{e['where']}: {e['reason']}: {e['detail']}" for e in report.examples[:5])
+    if tally.samples == 0:
+        empty = [f for f, n in report.rows_by_file.items() if n == 0]
+        raise BadInput(f"no usable conversations in {list(cfg.inputs)}: read {report.rows} rows, "
+                       f"dropped {dict(report.bad) | dict(tally.dropped)}"
+                       + (f"; empty: {empty}" if empty else "") + (f"; first: {shown}" if shown else ""))
+    if report.rows and bad / report.rows > cfg.max_bad_fraction:
+        raise BadInput(f"{bad} of {report.rows} rows are malformed ({bad / report.rows:.1%}), more than "
+                       f"max_bad_fraction={cfg.max_bad_fraction}: {dict(report.bad)}; first: {shown}. "
+                       "Fix the data or raise max_bad_fraction.")
+
+
+def fingerprint(sorted_ids: list[str], tokenizer_id: str, cfg: PrepareConfig) -> str:
+    """Names the dataset's content: the samples, the tokenizer and template, the length policy."""
+    h = hashlib.sha256()
+    h.update(json.dumps({"tokenizer": tokenizer_id, "max_length": cfg.max_length,
+                         "long_policy": cfg.long_policy, "heldout_permille": cfg.heldout_permille}).encode())
+    for sid in sorted_ids:
+        h.update(sid.encode())
+    return h.hexdigest()
+
+
+def main(argv: list[str] | None = None) -> int:
+    return step_main(STEP, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
