@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from tasks.errors import CommandTimedOut, HostKeyRefused, HostUnreachable, LoginRefused, is_transient
-from tasks.hosts import HostParams, LocalHost, SSHHost, fingerprint, open_host, remote_command
+from tasks.hosts import HostParams, LocalHost, open_host
+from tasks.ssh_host import SSHHost, fingerprint, remote_command
 from tests.fixtures.sshd import make_key
 from tests.remote_steps import HERE as PROBES
 
@@ -27,9 +28,12 @@ def host(each_host):
 
 
 def _alive(host, pid: int) -> bool:
-    """The process runs (a zombie has ended: it only waits to be reaped)."""
-    r = host.run(["cat", f"/proc/{pid}/stat"])
-    return r.exit_code == 0 and r.stdout_tail[0].rsplit(")", 1)[1].split()[0] != "Z"
+    """The process runs (a zombie has ended: it only waits to be reaped). Read over SFTP: no shell."""
+    try:
+        stat = host.read_text(f"/proc/{pid}/stat")
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _echo(host, args, **kw) -> list[str]:
