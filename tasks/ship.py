@@ -55,6 +55,11 @@ class ShippedCode:
     files: int  # files of the package
     seconds: float  # wall time of this call
 
+    @property
+    def root(self) -> str:
+        """The host's working root (absolute, as resolved on the host): path is <root>/code/<sha>."""
+        return posixpath.dirname(posixpath.dirname(self.path))
+
 
 def package_files(src: Path) -> list[tuple[str, Path]]:
     """(name on the host, local path) of every file of the package, sorted; caches left out."""

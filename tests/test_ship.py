@@ -36,6 +36,7 @@ def test_ship_to_a_missing_folder_then_again_sends_nothing(each_host, probe_src)
     assert not host.exists(host.path("code"))
     first = ship_code(host, probe_src)
     assert first.sha == code_hash(probe_src) and first.path == host.path("code", first.sha)
+    assert first.root == host.root
     assert first.files == len(package_files(probe_src)) and first.bytes_sent > 0
     # The package imports from there: the probe step starts and refuses a missing config (exit 65).
     r = host.run([host.python, "-m", "remote.probe", "--config", "missing.json"], cwd=first.path,

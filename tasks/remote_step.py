@@ -1,0 +1,181 @@
+"""Run one remote step on a host and bring back its manifest (docs/CONVENTIONS.md is the contract).
+
+    code = ship_code(host)
+    manifest = run_remote_step(host, code, "prepare", {"out_dir": f"{run_dir}/prepare", ...},
+                               run_dir=run_dir, timeout=3600, on_event=print, log=print)
+
+The config travels as `<run_dir>/<step>.config.json`; the step runs as
+`<python> -m remote.<step> --config <that file>` in the shipped code folder. Its exit code decides:
+0 -> the manifest in `config["out_dir"]` is returned; 65 -> BadInputError (never retried); anything
+else -> RemoteFault (retried). Inside a Prefect task use `run_step_in_task`, which sends the remote
+lines to the run log and the progress events to a progress artifact as they arrive.
+"""
+from __future__ import annotations
+
+import json
+import posixpath
+import queue
+import re
+import threading
+import time
+from typing import Callable
+
+from remote.step import EVENT_PREFIX, EXIT_BAD_INPUT, MANIFEST
+from tasks.errors import BadInputError, CommandTimedOut, RemoteFault
+from tasks.hosts import CommandResult, Host
+from tasks.ship import ShippedCode
+
+_STEP_NAME = re.compile(r"[a-z_][a-z0-9_]*\Z")
+PROGRESS_EVERY_S = 1.0  # at most one progress artifact update a second: the API is not a log
+
+
+def config_path(run_dir: str, step: str) -> str:
+    return posixpath.join(run_dir, f"{step}.config.json")
+
+
+def run_remote_step(host: Host, code: ShippedCode, step: str, config: dict, *, run_dir: str, timeout: float,
+                    on_event: Callable[[dict], None] | None = None,
+                    log: Callable[[str], None] | None = None) -> dict:
+    """Run `remote.<step>` with this config on the host; returns the manifest it wrote."""
+    if not _STEP_NAME.match(step):
+        raise BadInputError(f"step name {step!r} is not a module name of the remote package")
+    out_dir = config.get("out_dir")
+    if not isinstance(out_dir, str) or not out_dir:
+        raise BadInputError(f"the config of step {step} needs an out_dir (a path on the host), got {out_dir!r}")
+    host.makedirs(run_dir)
+    cfg = config_path(run_dir, step)
+    host.write_text(cfg, json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
+    lines = _StepLines(host.name, on_event, log)
+    try:
+        result = host.run([host.python, "-m", f"remote.{step}", "--config", cfg], cwd=code.path,
+                          env={"PYTHONPATH": code.path, "EAGLET_CODE_HASH": code.sha},
+                          timeout=timeout, on_line=lines)
+    except CommandTimedOut as e:
+        raise CommandTimedOut(f"step {step}: {e}") from e
+    return _outcome(host, step, out_dir, result, lines.bad_input)
+
+
+class _StepLines:
+    """Sorts a step's output: event lines to on_event, every other line to log (host-prefixed)."""
+
+    def __init__(self, host_name: str, on_event, log):
+        self.prefix, self.on_event, self.log = f"[{host_name}] ", on_event, log
+        self.bad_input: str | None = None  # the message of a bad_input event, if one came
+
+    def __call__(self, stream: str, line: str) -> None:
+        event = _event(line) if stream == "stdout" else None
+        if event is None:
+            if self.log is not None:
+                self.log(self.prefix + line)
+            return
+        if event.get("event") == "bad_input":
+            self.bad_input = str(event.get("message", ""))
+        if self.on_event is not None:
+            self.on_event(event)
+
+
+def _event(line: str) -> dict | None:
+    """The JSON event of a line starting with EVENT_PREFIX; None for any other (or a garbled) line."""
+    if not line.startswith(EVENT_PREFIX):
+        return None
+    try:
+        event = json.loads(line[len(EVENT_PREFIX):])
+    except json.JSONDecodeError:
+        return None
+    return event if isinstance(event, dict) and "event" in event else None
+
+
+def _outcome(host: Host, step: str, out_dir: str, r: CommandResult, bad_input: str | None) -> dict:
+    where = f"step {step} on {host.name}"
+    if r.exit_code == 0:
+        try:
+            return json.loads(host.read_text(posixpath.join(out_dir, MANIFEST)))
+        except FileNotFoundError:
+            raise RemoteFault(f"{where} exited 0 but wrote no {posixpath.join(out_dir, MANIFEST)}") from None
+        except json.JSONDecodeError as e:
+            raise RemoteFault(f"{where} wrote an unreadable manifest in {out_dir}: {e}") from e
+    tail = "\n".join(r.stderr_tail[-20:])
+    if r.exit_code == EXIT_BAD_INPUT:
+        raise BadInputError(f"{where}: bad input: {bad_input or tail or '(no message)'}")
+    raise RemoteFault(f"{where} failed ({_describe_exit(r.exit_code)}) after {r.seconds:.1f} s; stderr ends:\n{tail}")
+
+
+def _describe_exit(code: int) -> str:
+    if code == -1:
+        return "ended by a signal"  # what SSH reports for a process killed by a signal
+    if code < 0:
+        return f"killed by signal {-code}"
+    if code == 137:
+        return "exit 137: killed (SIGKILL; out of memory?)"
+    return f"exit {code}"
+
+
+# ----------------------------------------------------------------------------- inside a Prefect task
+def run_step_in_task(host: Host, code: ShippedCode, step: str, config: dict, *, run_dir: str, timeout: float,
+                     progress_title: str) -> dict:
+    """run_remote_step from a Prefect task body: remote lines into the run log as they come, progress
+    events into a progress artifact; the manifest comes back with the other events under 'events'.
+
+    The host's reader threads have no Prefect context, so they only fill a queue; this thread (the
+    task's) drains it while a worker thread waits for the command.
+    """
+    from prefect import get_run_logger
+
+    logger = get_run_logger()
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    outcome: dict = {}
+
+    def work() -> None:
+        try:
+            outcome["manifest"] = run_remote_step(
+                host, code, step, config, run_dir=run_dir, timeout=timeout,
+                on_event=lambda e: inbox.put(("event", e)), log=lambda line: inbox.put(("log", line)))
+        except BaseException as e:  # noqa: BLE001 - raised again in the task's thread below
+            outcome["error"] = e
+        finally:
+            inbox.put(("done", None))
+
+    progress = _Progress(f"{progress_title} ({step} on {host.name})")
+    events: list[dict] = []
+    worker = threading.Thread(target=work, name=f"eaglet-step-{step}", daemon=True)
+    worker.start()
+    while (item := inbox.get())[0] != "done":
+        kind, payload = item
+        if kind == "log":
+            logger.info(payload)
+        elif payload.get("event") == "progress":
+            progress.update(payload)
+        else:
+            events.append(payload)
+    worker.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    progress.finish()
+    return {**outcome["manifest"], "events": events}
+
+
+class _Progress:
+    """One Prefect progress artifact fed by `progress` events ({"done": n, "total": m})."""
+
+    def __init__(self, title: str):
+        from prefect.artifacts import create_progress_artifact
+
+        self.artifact_id = create_progress_artifact(0.0, description=title)
+        self.sent, self.latest, self.sent_at = 0.0, 0.0, time.monotonic()
+
+    def update(self, event: dict) -> None:
+        total = float(event.get("total") or 0)
+        self.latest = max(0.0, min(100.0, 100.0 * float(event.get("done", 0)) / total)) if total > 0 else 0.0
+        if time.monotonic() - self.sent_at >= PROGRESS_EVERY_S or self.latest >= 100.0:
+            self._send(self.latest)
+
+    def finish(self) -> None:
+        if self.sent < 100.0:
+            self._send(100.0)
+
+    def _send(self, pct: float) -> None:
+        from prefect.artifacts import update_progress_artifact
+
+        if pct != self.sent:
+            update_progress_artifact(self.artifact_id, pct)
+        self.sent, self.sent_at = pct, time.monotonic()
