@@ -164,3 +164,113 @@ def test_bad_candidate_leaves_current_as_it_was(tmp_path):
     assert run_step(promote, broken, tmp_path) == EXIT_BAD_INPUT
     assert current_tag(drafts) == "good"
     assert not (tmp_path / "runs" / "broken" / "promote").exists()
+
+
+# ----------------------------------------------------------------------------- Prefect: slots, failure hook
+pytest_plugins = ["tests.fixtures.prefect_server"]
+
+
+@pytest.mark.prefect_server
+def test_host_slot_queues_runs_on_one_host_and_is_reentrant(prefect_api):
+    import contextvars
+    import threading
+    import time as _time
+
+    from prefect import flow
+
+    from tasks.host_slot import host_slot, slot_name
+    from tasks.hosts import HostParams
+
+    host = HostParams(kind="ssh", hostname="10.200.9.9", name="slot-test")
+    held: dict[str, tuple[float, float, float]] = {}
+
+    @flow(name="slot-holder")
+    def hold(tag: str, seconds: float) -> None:
+        with host_slot(host) as waited:
+            start = _time.monotonic()
+            with host_slot(host) as again:  # the nightly calls the training flow, which asks again
+                assert again == 0.0
+            _time.sleep(seconds)
+            held[tag] = (waited, start, _time.monotonic())
+
+    # a copy of this context, so the thread's flow talks to the same server (settings are context-bound)
+    first = threading.Thread(target=contextvars.copy_context().run, args=(hold, "first", 4.0))
+    first.start()
+    _time.sleep(1.5)
+    hold("second", 0.1)
+    first.join()
+    assert held["second"][1] >= held["first"][2] - 0.2, "the second run got the host only when the first let go"
+    assert held["second"][0] > 1.0, f"the second run waited {held['second'][0]:.1f} s"
+
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        limit = client.read_global_concurrency_limit_by_name(slot_name(host))
+    assert (limit.name, limit.limit, limit.active_slots) == ("gpu-host:slot-test", 1, 0)
+
+
+class Webhook:
+    """A local HTTP endpoint that keeps what is POSTed to it (the user's channel, here)."""
+
+    def __init__(self):
+        import http.server
+        import threading
+
+        received = self.received = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}/hook"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def webhook():
+    hook = Webhook()
+    yield hook
+    hook.close()
+
+
+@pytest.mark.prefect_server
+def test_failure_hook_names_the_step_and_posts_the_log_tail(prefect_api, webhook):
+    from prefect import flow, get_run_logger, task
+
+    from tasks.errors import RemoteFault
+    from tasks.notify import notify_failure
+
+    @task(name="capture-hidden-states")
+    def failing_step() -> None:
+        for i in range(30):
+            get_run_logger().info("[gpu-1] capture line %d", i)
+        raise RemoteFault("step capture on gpu-1 failed (exit 1) after 2.0 s; stderr ends:\nCUDA out of memory")
+
+    @flow(name="failing-run", on_failure=[notify_failure])
+    def failing_run(notify: str = "") -> None:
+        failing_step()
+
+    state = failing_run(notify=webhook.url, return_state=True)
+    assert state.is_failed()
+    (post,) = webhook.received
+    assert post["failed_step"].startswith("capture-hidden-states")
+    assert "CUDA out of memory" in post["step_message"] and "CUDA out of memory" in post["text"]
+    assert post["log_tail"][-1] == "[gpu-1] capture line 29" and len(post["log_tail"]) == 20
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter
+
+    with get_client(sync_client=True) as client:
+        (report,) = client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id={"any_": [state.state_details.flow_run_id]}, key={"any_": ["failure-report"]}))
+    assert "capture-hidden-states" in report.data and "capture line 29" in report.data
