@@ -42,6 +42,14 @@ TAIL_LINES = 40  # lines of each stream kept in a CommandResult
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
+def check_env_names(env: Mapping[str, str]) -> Mapping[str, str]:
+    """Refuse names a shell or `env` would misread (`A=B`, spaces): they must be identifiers."""
+    bad = [k for k in env if not ENV_NAME.match(k)]
+    if bad:
+        raise ValueError(f"env names must be shell identifiers; bad: {bad}")
+    return env
+
+
 class HostParams(BaseModel):
     """Where and how to reach a host; flow parameters or a saved block. Holds no secret itself."""
 
@@ -65,10 +73,7 @@ class HostParams(BaseModel):
     @field_validator("env")
     @classmethod
     def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
-        bad = [k for k in env if not ENV_NAME.match(k)]
-        if bad:
-            raise ValueError(f"env names must be shell identifiers; bad: {bad}")
-        return env
+        return check_env_names(env)
 
     @classmethod
     def from_block(cls, name: str) -> "HostParams":

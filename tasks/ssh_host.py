@@ -31,7 +31,7 @@ import invoke
 import paramiko
 
 from tasks.errors import BadInputError, CommandTimedOut, EagletError, HostKeyRefused, HostUnreachable, LoginRefused
-from tasks.hosts import (ENV_NAME, KILL_GRACE_S, CommandResult, Host, HostParams, LineSplitter, argv_words,
+from tasks.hosts import (KILL_GRACE_S, CommandResult, Host, HostParams, LineSplitter, argv_words, check_env_names,
                          command_result)
 
 log = logging.getLogger("eaglet.hosts")
@@ -46,10 +46,7 @@ def remote_command(argv: Sequence[str], cwd: str | None = None, env: Mapping[str
     """
     words: list[str] = []
     if env:
-        bad = [k for k in env if not ENV_NAME.match(k)]
-        if bad:
-            raise ValueError(f"env names must be shell identifiers; bad: {bad}")
-        words += ["env", *(f"{k}={v}" for k, v in env.items())]
+        words += ["env", *(f"{k}={v}" for k, v in check_env_names(env).items())]
     if timeout is not None:
         words += ["timeout", "-k", str(KILL_GRACE_S), f"{max(timeout, 0.001):.3f}"]
     words += argv_words(argv)
@@ -86,14 +83,16 @@ class SSHHost(Host):
         """The absolute working root ('~' and relative roots are resolved against the login folder)."""
         if self._root is None:
             root = self.params.root or "~/eaglet"
+            if root.startswith("~") and not (root == "~" or root.startswith("~/")):
+                raise BadInputError(f"root {root!r}: only ~ and ~/... are understood; give an absolute path")
             if not root.startswith("/"):
-                home = self._sftp_client().normalize(".")
-                root = posixpath.join(home, root[2:] if root.startswith("~/") else root.lstrip("~"))
+                home = self._sftp_client().normalize(".")  # the login folder, asked of the SFTP server
+                root = posixpath.join(home, root.lstrip("~").lstrip("/"))
             self._root = posixpath.normpath(root)
         return self._root
 
     def connect(self) -> None:
-        """Open the connection now (else the first command does); raises the errors that says why."""
+        """Open the connection now (else the first command does); raises the error that says why."""
         with self._faults("connect"):
             self._connected()
 
