@@ -68,25 +68,40 @@ class Decision:
 def figure(figures: dict, metric: str, where: str) -> float:
     """The metric as a finite float, or BadInput naming what the figures do hold."""
     v = figures.get(metric)
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+    if not _finite(v):
         raise BadInput(f"{where}: figure {metric!r} is {v!r}, not a finite number; figures: {sorted(figures)}")
     return float(v)
 
 
-def decide(value: float, current: dict | None, metric: str, margin: float) -> Decision:
-    """Promote when there is no current draft, or when the candidate beats it by more than margin."""
+def decide(figures: dict, current: dict | None, metric: str, margin: float) -> Decision:
+    """Promote when there is no current draft, or when the candidate beats it by more than margin.
+
+    The current draft's value is, first choice, `previous_<metric>` in the candidate's own figures
+    (the evaluation measured the current draft on the same prompts in the same run); else the
+    figure recorded when it was promoted, if it was measured the same way (online or offline).
+    """
+    value = figure(figures, metric, "the candidate's figures")
     if current is None:
         return Decision(True, "no current draft", value, None, None)
-    cur = current.get("figures", {}).get(metric)
-    if not isinstance(cur, (int, float)) or not math.isfinite(cur):
-        return Decision(False, f"the current draft {current.get('name')!r} has no recorded {metric}; "
-                               "cannot compare, kept it", value, None, None)
+    cur, source = figures.get(f"previous_{metric}"), "measured beside it in this run"
+    if not _finite(cur):
+        recorded = current.get("figures", {})
+        cur, source = recorded.get(metric), "recorded when it was promoted"
+        how, how_now = recorded.get(f"{metric}_source"), figures.get(f"{metric}_source")
+        if _finite(cur) and how != how_now:
+            return Decision(False, f"the current draft's {metric} was measured {how}, this one's {how_now}: "
+                                   "not comparable, kept the current draft", value, None, None)
+    if not _finite(cur):
+        return Decision(False, f"the current draft {current.get('name')!r} has no {metric} to compare with; "
+                               "kept it", value, None, None)
     gain = value - cur
-    if gain > margin:
-        return Decision(True, f"{metric} {value:.4f} beats {cur:.4f} by {gain:+.4f} (> margin {margin})",
-                        value, cur, gain)
-    return Decision(False, f"{metric} {value:.4f} vs current {cur:.4f}: gain {gain:+.4f} is not more than "
-                           f"margin {margin}", value, cur, gain)
+    verdict = f"beats {cur:.4f} by {gain:+.4f} (> margin {margin})" if gain > margin else \
+        f"vs current {cur:.4f}: gain {gain:+.4f} is not more than margin {margin}"
+    return Decision(gain > margin, f"{metric} {value:.4f} {verdict}; current {source}", value, cur, gain)
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def read_current(drafts_root: str | os.PathLike) -> dict | None:
@@ -130,7 +145,7 @@ def run(raw: dict) -> dict:
     candidate = Path(cfg.candidate_dir)
     if not (candidate / "config.json").is_file():
         raise BadInput(f"candidate_dir {candidate} holds no config.json: not an exported draft")
-    value = figure(cfg.figures, cfg.metric, "the candidate's figures")
+    value = figure(cfg.figures, cfg.metric, "the candidate's figures")  # bad input before any lock
     root = Path(cfg.drafts_root)
     root.mkdir(parents=True, exist_ok=True)
     with _locked(root):
@@ -139,7 +154,7 @@ def run(raw: dict) -> dict:
             decision = Decision(True, "already promoted by an earlier try of this run", value,
                                 None, None)
         else:
-            decision = decide(value, current, cfg.metric, cfg.margin)
+            decision = decide(cfg.figures, current, cfg.metric, cfg.margin)
             if decision.promote:
                 record = {"name": cfg.name, "promoted_at": _now(), "metric": cfg.metric, "figures": cfg.figures,
                           "source": str(candidate.resolve()), "margin": cfg.margin, "reason": decision.reason,

@@ -122,12 +122,23 @@ def current_tag(drafts: Path) -> str:
 
 
 def test_decide():
-    assert promote.decide(1.5, None, "m", 0.1).promote
-    better = promote.decide(2.0, {"name": "a", "figures": {"m": 1.8}}, "m", 0.1)
-    assert better.promote and better.gain == pytest.approx(0.2)
-    assert not promote.decide(1.85, {"name": "a", "figures": {"m": 1.8}}, "m", 0.1).promote  # within margin
-    assert not promote.decide(1.0, {"name": "a", "figures": {"m": 1.8}}, "m", 0.0).promote  # worse
-    assert not promote.decide(9.0, {"name": "a", "figures": {}}, "m", 0.0).promote  # nothing to compare with
+    def cur(**figures):
+        return {"name": "a", "figures": figures}
+
+    assert promote.decide({"m": 1.5}, None, "m", 0.1).promote
+    better = promote.decide({"m": 2.0}, cur(m=1.8), "m", 0.1)
+    assert better.promote and better.gain == pytest.approx(0.2) and "recorded" in better.reason
+    assert not promote.decide({"m": 1.85}, cur(m=1.8), "m", 0.1).promote  # within the margin
+    assert not promote.decide({"m": 1.0}, cur(m=1.8), "m", 0.0).promote  # worse
+    assert not promote.decide({"m": 9.0}, cur(), "m", 0.0).promote  # nothing to compare with
+    # the current draft measured beside the candidate in the same run wins over its old record
+    same_run = promote.decide({"m": 2.0, "previous_m": 1.95}, cur(m=1.0), "m", 0.1)
+    assert not same_run.promote and same_run.current_value == 1.95 and "this run" in same_run.reason
+    # an online figure is not compared with an offline one
+    mixed = promote.decide({"m": 3.0, "m_source": "offline"}, cur(m=1.0, m_source="online"), "m", 0.0)
+    assert not mixed.promote and "not comparable" in mixed.reason
+    with pytest.raises(promote.BadInput, match="figure 'm'"):
+        promote.decide({"other": 1.0}, None, "m", 0.0)
 
 
 def test_promotion_switches_current_only_for_a_better_draft(tmp_path):
@@ -274,3 +285,125 @@ def test_failure_hook_names_the_step_and_posts_the_log_tail(prefect_api, webhook
         (report,) = client.read_artifacts(artifact_filter=ArtifactFilter(
             flow_run_id={"any_": [state.state_details.flow_run_id]}, key={"any_": ["failure-report"]}))
     assert "capture-hidden-states" in report.data and "capture line 29" in report.data
+
+
+# ----------------------------------------------------------------------------- the nightly flow, end to end
+class Nights:
+    """Runs `python -m flows.nightly` against the real server on one host root and one data source."""
+
+    def __init__(self, server, model: Path, tmp: Path):
+        from tests.fixtures.tiny_run import tiny_params
+
+        self.server, self.tmp, self.root, self.source = server, tmp, tmp / "root", tmp / "source"
+        self.source.mkdir(parents=True)
+        self.preset = tmp / "preset.json"
+        self.preset.write_text(json.dumps(tiny_params(self.root, model, [self.source])))
+        self.count = 0
+
+    def add_data(self, name: str, n: int, start: int) -> None:
+        from tests.fixtures.tiny_run import write_chats
+
+        write_chats(self.source / f"{name}.jsonl", n, start)
+
+    def start(self, *sets: str):
+        import subprocess
+        import sys
+
+        self.count += 1
+        out = self.tmp / f"night-{self.count}.json"
+        argv = [sys.executable, "-m", "flows.nightly", "--preset", str(self.preset), "--result", str(out),
+                "--set", f"run_name=night-{self.count}", *[a for s in sets for a in ("--set", s)]]
+        return self.server.spawn(argv, self.tmp / f"night-{self.count}.log"), out
+
+    def run(self, *sets: str, timeout: float = 600) -> dict:
+        import time as _time
+
+        started = _time.monotonic()
+        proc, out = self.start(*sets)
+        code = proc.wait(timeout)
+        log = (self.tmp / f"night-{self.count}.log").read_text()
+        assert code == 0, f"night {self.count} exited {code}:\n{log[-4000:]}"
+        return {**json.loads(out.read_text()), "seconds": _time.monotonic() - started}
+
+    def current(self) -> str | None:
+        link = self.root / "drafts" / "current"
+        return os.readlink(link) if link.is_symlink() else None
+
+    def capture_counts(self, run: str) -> dict:
+        return read_manifest(self.root / "runs" / run / "capture")["counts"]
+
+
+UNTRAINED = ("train.lr=1e-9", "nightly.warm_start=false")  # a draft no better than its random start
+TRAINED = ("train.epochs=3", "train.lr=0.003")
+
+
+@pytest.fixture(scope="module")
+def nights(prefect_server, tiny_llama, tmp_path_factory):
+    return Nights(prefect_server, tiny_llama, tmp_path_factory.mktemp("nights"))
+
+
+@pytest.mark.slow
+@pytest.mark.prefect_server
+def test_first_night_trains_and_promotes(nights):
+    nights.add_data("d1", 24, start=0)
+    r = nights.run(*UNTRAINED)
+    assert r["status"] == "promoted" and r["delta"]["new"] == 24
+    assert nights.current() == r["run_name"]
+    assert nights.capture_counts(r["run_name"])["captured"] == 24
+
+
+@pytest.mark.slow
+@pytest.mark.prefect_server
+def test_same_data_again_ends_early_without_capture(nights):
+    before = nights.current()
+    r = nights.run()
+    assert r["status"] == "no-new-data" and r["delta"]["new"] == 0 and r["trained"] is None
+    assert not (nights.root / "runs" / r["run_name"] / "capture").exists(), "nothing captured"
+    assert nights.current() == before
+    assert r["seconds"] < 60, f"a night with no new data took {r['seconds']:.0f} s"
+
+
+@pytest.mark.slow
+@pytest.mark.prefect_server
+def test_two_nights_on_one_host_queue_and_a_better_draft_is_promoted(nights):
+    before = nights.current()
+    nights.add_data("d2", 16, start=24)
+    (a, a_out), (b, b_out) = nights.start(*TRAINED), nights.start(*TRAINED)
+    assert a.wait(600) == 0 and b.wait(600) == 0
+    results = sorted((json.loads(p.read_text()) for p in (a_out, b_out)), key=lambda r: r["waited_for_host_s"])
+    first, second = results
+    assert first["status"] == "promoted", first["decision"]
+    assert first["decision"]["current_before"] == before and nights.current() == first["run_name"]
+    # the second waited for the host, then found that the first had trained on everything new
+    assert second["status"] == "no-new-data" and second["waited_for_host_s"] > 5
+    counts = nights.capture_counts(first["run_name"])
+    assert counts["captured"] == first["delta"]["new"] > 0, "only the new samples were captured"
+    assert counts["reused"] == counts["samples"] - counts["captured"] >= 24
+
+
+@pytest.mark.slow
+@pytest.mark.prefect_server
+def test_worse_draft_is_not_promoted(nights):
+    before = nights.current()
+    nights.add_data("d3", 16, start=40)
+    r = nights.run(*UNTRAINED)
+    assert r["status"] == "kept-current", r["decision"]
+    assert r["decision"]["value"] < r["decision"]["current_value"]
+    assert nights.current() == before
+    assert nights.capture_counts(r["run_name"])["captured"] == r["delta"]["new"]
+    # the night was good, so its data is committed: the next one has nothing new
+    assert nights.run()["status"] == "no-new-data"
+
+
+@pytest.mark.slow
+@pytest.mark.prefect_server
+def test_failed_night_leaves_current_and_memory_as_they_were(nights, webhook):
+    before = nights.current()
+    state = json.loads((nights.root / "nightly" / "default" / "state.json").read_text())
+    nights.add_data("d4", 8, start=56)
+    proc, _ = nights.start(f"target.model={nights.tmp / 'no-such-model'}", f"notify={webhook.url}")
+    assert proc.wait(300) != 0
+    assert nights.current() == before
+    assert json.loads((nights.root / "nightly" / "default" / "state.json").read_text()) == state
+    (post,) = webhook.received
+    assert post["state"] == "Failed" and post["failed_step"] and "no-such-model" in post["text"]
