@@ -1,0 +1,144 @@
+"""The nightly retrain: train on what is new, promote the draft only when it measures better.
+
+    python -m flows.nightly --preset deployments/smollm2-local.json --set nightly.margin=0.05
+    prefect deployment run 'train-draft-nightly/nightly'            # what the 02:00 UTC schedule runs
+
+Holding the host's slot for the whole night (a manual run on the same host waits, and waits for it):
+find the conversations of the data source not trained on by an earlier good night (by sample hash)
+-> none: end here, saying so -> read the current draft -> the training flow on every good night's
+data plus tonight's (capture reuses the cached samples, so only tonight's are captured), warm
+started from the current draft or from scratch -> promote when its acceptance length beats the
+current draft's by more than the margin -> commit the night. A night that fails before the commit
+leaves `drafts/current` and the nightly's memory as they were.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
+from pydantic import BaseModel, Field
+
+from flows.params import CaptureParams, DataParams, EvalParams, TargetParams, TrainDraftParams, TrainParams, _Params
+from flows.train_draft import TrainDraftResult, train_draft
+from tasks.context import RunContext
+from tasks.host_slot import host_slot
+from tasks.hosts import HostParams
+from tasks.nightly_data import DataDelta, commit_night, find_new_data
+from tasks.notify import notify_failure
+from tasks.promote import PromotionDecision, current_draft, promote_if_better
+from tasks.ship import ship_code_task
+
+
+class NightlyParams(_Params):
+    name: str = Field("default", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+                      description="the nightly's name: its memory lives in <root>/nightly/<name>")
+    margin: float = Field(0.05, ge=0, description="promote only when the metric beats the current draft's by more than this")
+    metric: str = Field("acceptance_length", description="the evaluation figure compared (higher is better)")
+    warm_start: bool = Field(True, description="start training from the current draft (false: from scratch)")
+
+
+class NightlyRunParams(TrainDraftParams):
+    """A preset of the training flow plus the nightly's own settings (what `--preset` files hold)."""
+
+    nightly: NightlyParams = Field(default_factory=NightlyParams)
+    notify: str = Field("", description="where a failure is posted: a webhook URL or secret:<Secret block>")
+
+
+class NightlyResult(BaseModel):
+    status: str  # "no-new-data", "promoted" or "kept-current"
+    run_name: str
+    delta: DataDelta
+    waited_for_host_s: float
+    trained: TrainDraftResult | None = None
+    decision: PromotionDecision | None = None
+
+
+@flow(name="train-draft-nightly", log_prints=True, on_failure=[notify_failure], on_crashed=[notify_failure])
+def nightly_retrain(
+    host: HostParams = HostParams(),
+    target: TargetParams = TargetParams(),
+    data: DataParams = DataParams(),
+    capture: CaptureParams = CaptureParams(),
+    train: TrainParams = TrainParams(),
+    eval: EvalParams = EvalParams(),
+    nightly: NightlyParams = NightlyParams(),
+    notify: str = "",
+    run_name: str = "",
+) -> NightlyResult:
+    """Retrain on new data; promote only a better draft."""
+    run_name = run_name or f"nightly-{nightly.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    with host_slot(host) as waited:
+        code = ship_code_task(host)
+        ctx = RunContext(host=host, code=code, run_name=run_name)
+        delta = find_new_data(ctx, data.inputs or [_demo_data(ctx, data)], nightly=nightly.name,
+                              heldout_permille=data.heldout_permille)
+        if delta.new == 0:
+            _report(run_name, f"No new data since the last good night: {delta.source} conversations in the "
+                              "source, all trained on before. Nothing captured, trained or promoted.", delta)
+            return NightlyResult(status="no-new-data", run_name=run_name, delta=delta, waited_for_host_s=waited)
+
+        current = current_draft(ctx)
+        warm = current.path if nightly.warm_start and current is not None else ""
+        trained = train_draft(host=host, run_name=run_name, target=target,
+                              data=data.model_copy(update={"inputs": delta.train_inputs}), capture=capture,
+                              train=train.model_copy(update={"warm_start": warm}), eval=eval)
+        decision = promote_if_better(ctx, trained.draft_dir, trained.figures, metric=nightly.metric,
+                                     margin=nightly.margin,
+                                     context={"run": run_name, "data_fingerprint": trained.data_fingerprint,
+                                              "new_samples": delta.new, "warm_start": warm or None})
+        commit_night(ctx, delta, promoted=decision.promoted, draft=trained.draft_dir, figures=trained.figures)
+    status = "promoted" if decision.promoted else "kept-current"
+    _report(run_name, f"{delta.new} new conversations trained on ({'warm start from ' + current.name if warm else 'from scratch'}). "
+                      f"{'Promoted' if decision.promoted else 'Not promoted'}: {decision.reason}.", delta)
+    return NightlyResult(status=status, run_name=run_name, delta=delta, waited_for_host_s=waited,
+                         trained=trained, decision=decision)
+
+
+def _demo_data(ctx: RunContext, data: DataParams) -> str:
+    """The embedded ShareGPT sample, the training flow's own default data source."""
+    from tasks.prepare import embedded_default
+
+    return embedded_default(ctx, conversations=data.demo_conversations).data_path
+
+
+def _report(run_name: str, summary: str, delta: DataDelta) -> None:
+    get_run_logger().info(summary)
+    rows = "\n".join(f"| {k} | {v} |" for k, v in delta.counts.items())
+    create_markdown_artifact(key="nightly-report", description=f"nightly {delta.nightly}",
+                             markdown=f"## Nightly `{run_name}`\n\n{summary}\n\n| data | count |\n|---|---|\n{rows}\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m flows.nightly", description=nightly_retrain.__doc__)
+    ap.add_argument("--preset", help="a JSON file of parameters (deployments/*.json); it may hold a 'nightly' section")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override one parameter, dotted, value as JSON or text (e.g. nightly.margin=0.1)")
+    ap.add_argument("--result", help="also write the result (JSON) to this file, for scripts")
+    args = ap.parse_args(argv)
+    overrides = dict(_key_value(ap, item) for item in args.set)
+    params = NightlyRunParams.from_preset(args.preset, overrides)
+    result = nightly_retrain(**{name: getattr(params, name) for name in NightlyRunParams.model_fields})
+    text = json.dumps(result.model_dump(mode="json"), indent=2)
+    print(text)
+    if args.result:
+        Path(args.result).write_text(text + "\n")
+    return 0
+
+
+def _key_value(ap: argparse.ArgumentParser, item: str) -> tuple[str, object]:
+    key, sep, raw = item.partition("=")
+    if not sep:
+        ap.error(f"--set {item!r}: expected KEY=VALUE")
+    try:
+        return key, json.loads(raw)
+    except json.JSONDecodeError:
+        return key, raw
+
+
+if __name__ == "__main__":
+    sys.exit(main())
