@@ -12,25 +12,19 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from remote import embedded_default, prepare
+from remote import prepare
 from remote.chat_data import NO_ASSISTANT_TURN, NOT_ALTERNATING, conversation_hash
 from remote.step import EXIT_BAD_INPUT, BadInput, sha256_file
 from tests.fixtures.models import make_tokenizer
+from tests.test_embedded_default import smollm2  # noqa: F401 (a fixture: the converted SmolLM2, cached)
 
 REPO = Path(__file__).resolve().parents[1]
-TEST_CACHE = Path(os.environ.get("EAGLET_TEST_CACHE", "/tmp/eaglet-test-cache"))
 
 ONE_TURN = [("user", "hello world"), ("assistant", "sure here answer")]
 TWO_TURNS_WITH_SYSTEM = [("system", "be brief"), ("user", "what is python"), ("assistant", "code"),
                          ("user", "thanks"), ("assistant", "sure")]
 TINY_DEFAULT_SYSTEM = "<|im_start|>system\nYou are a tiny test model.<|im_end|>\n"
 SMOL_DEFAULT_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
-
-
-@pytest.fixture(scope="session")
-def smollm2() -> dict:
-    """The embedded default, converted once into a cache that survives sessions (about 20 s the first time)."""
-    return embedded_default.run({"out_dir": str(TEST_CACHE / "embedded-default")})
 
 
 def openai(turns):
@@ -311,3 +305,48 @@ def test_the_command_line_exits_65_on_bad_input_before_loading_anything(tmp_path
                         env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
     assert no.returncode == EXIT_BAD_INPUT and "gone.jsonl does not exist" in no.stderr
     assert '"event": "bad_input"' in no.stdout and not list(tmp_path.glob("o*"))
+
+
+# ----------------------------------------------------------------------------- the Prefect task
+@pytest.mark.slow
+def test_the_task_prepares_on_a_host_and_shows_the_counts(prefect_harness, tmp_path, tiny_llama):
+    """tasks.prepare.prepare_data through a real local host (a subprocess, as on a GPU host) and the
+    Prefect harness: the dataset's path and fingerprint come back, the counts become a table artifact."""
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    from flows.params import DataParams, TargetParams
+    from tasks.context import RunContext
+    from tasks.errors import BadInputError
+    from tasks.hosts import HostParams, open_host
+    from tasks.prepare import prepare_data
+    from tasks.ship import ship_code
+
+    data = write_jsonl(tmp_path / "c.jsonl", [openai(ONE_TURN), openai(TWO_TURNS_WITH_SYSTEM), openai(ONE_TURN),
+                                              {"conversations": []}])
+    params = HostParams(root=str(tmp_path / "root"))
+    with open_host(params) as host:
+        code = ship_code(host)
+    ctx = RunContext(host=params, code=code, run_name="r1")
+
+    @flow
+    def prep(inputs: list[str]):
+        return prepare_data(ctx, TargetParams(model=str(tiny_llama)), DataParams(inputs=inputs, max_length=64))
+
+    state = prep([str(data)], return_state=True)
+    got = state.result()
+    manifest = json.loads((Path(ctx.step_dir("prepare")) / "manifest.json").read_text())
+    assert got.path == ctx.step_dir("prepare") + "/data.parquet" and Path(got.path).is_file()
+    assert got.fingerprint == manifest["fingerprint"] and (got.samples, got.tokens) == (2, manifest["counts"]["tokens"])
+    with get_client(sync_client=True) as client:
+        (table,) = [a for a in client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id]))) if a.type == "table"]
+    rows = {r["count"]: r["value"] for r in json.loads(table.data)}
+    assert rows["samples kept"] == 2 and rows["dropped: duplicate"] == 1 and rows[f"dropped: {NO_ASSISTANT_TURN}"] == 1
+    assert rows["loss tokens (by the assistant)"] == manifest["counts"]["loss_tokens"]
+    assert sum(v for k, v in rows.items() if k.startswith("length ")) == 2
+
+    failed = prep([str(tmp_path / "gone.jsonl")], return_state=True)  # bad input: fails at once
+    with pytest.raises(BadInputError, match="gone.jsonl does not exist"):
+        failed.result()
