@@ -21,6 +21,7 @@ class _Params(BaseModel):
 class TargetParams(_Params):
     model: str = Field("", description="HF model folder of the target on the host; empty: the embedded SmolLM2-135M-Instruct")
     revision: str = Field("", description="a label for the target's weights (part of the capture cache key); empty: hash of its config and index")
+    trust_remote_code: bool = Field(False, description="let transformers run the target's own code (Kimi-K2.5's tokenizer needs it)")
 
 
 class DataParams(_Params):
