@@ -69,7 +69,7 @@ def counts_table(manifest: dict) -> list[dict]:
 def prepare_data(ctx: RunContext, target: Any, data: Any) -> PreparedData:
     """Tokenize the chat data with the target's template on the host; show the counts."""
     out_dir = ctx.step_dir("prepare")
-    config = {**prepare_config(out_dir, target, data), "trust_remote_code": getattr(target, "trust_remote_code", False)}
+    config = {**prepare_config(out_dir, target, data), "trust_remote_code": target.trust_remote_code}
     m = ctx.run_step("prepare", config, timeout=PREPARE_TIMEOUT_S,
                      title="Preparing the chat data")
     c = m["counts"]
