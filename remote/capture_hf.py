@@ -1,0 +1,101 @@
+"""The transformers backend of remote.capture: plain HF forwards, packed, writing the same shards.
+
+    python -m remote.capture --config c.json     # with "backend": "transformers"
+
+For hosts without vLLM (the lent GPU machine), targets vLLM cannot load, and as the numerical
+reference. Samples are packed back to back into one row of up to max_num_batched_tokens tokens,
+positions restarting at 0 for each: with no attention mask and no cache, transformers reads the
+position ids as packed sequences and keeps attention inside each sample, so no compute goes to
+padding. Aux states come from `output_hidden_states` (index i is layer i-1's output); the final
+pre-norm state from a hook on the last decoder layer (HF's last hidden state has the norm applied).
+"""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+
+from remote.capture_cache import ShardPlan
+from remote.capture_store import Sample, write_shard
+from remote.layers import TargetConfig, find_decoder_layers
+from remote.step import BadInput, log
+
+
+class HfCapture:
+    """Load the target once (`start`), capture planned shards in order (`capture`)."""
+
+    def __init__(self, cfg, target: TargetConfig, dtype: str, layer_ids: Sequence[int]):
+        self.cfg, self.target, self.dtype, self.layer_ids = cfg, target, dtype, list(layer_ids)
+        self.model = None
+        self.startup_s = 0.0
+        want = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = torch.device(want)
+
+    def start(self) -> None:
+        import transformers
+
+        t0 = time.monotonic()
+        errors = []
+        for auto in ("AutoModelForCausalLM", "AutoModelForImageTextToText"):
+            try:
+                self.model = getattr(transformers, auto).from_pretrained(self.cfg.target, dtype=getattr(torch, self.dtype))
+                break
+            except (ValueError, KeyError) as e:  # this auto class does not know the architecture
+                errors.append(f"{auto}: {e}")
+        if self.model is None:
+            raise BadInput(f"transformers cannot load {self.cfg.target}: {'; '.join(errors)}")
+        self.model.to(self.device).eval()
+        _, self.layers = find_decoder_layers(self.model)
+        if len(self.layers) != self.target.num_layers:
+            raise BadInput(f"{type(self.model).__name__} has {len(self.layers)} decoder layers, "
+                           f"config.json says {self.target.num_layers}")
+        self.startup_s = time.monotonic() - t0
+        log(f"transformers: {type(self.model).__name__} on {self.device} ({self.dtype}) in {self.startup_s:.1f} s")
+
+    def close(self) -> None:
+        self.model = None
+
+    def forward_pack(self, samples: Sequence) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(aux [T, n_aux * H], final [T, H]) per sample of one pack, on the CPU in the target dtype."""
+        lengths = [int(s.input_ids.size) for s in samples]
+        ids = torch.cat([torch.from_numpy(s.input_ids).long() for s in samples])[None].to(self.device)
+        pos = torch.cat([torch.arange(n) for n in lengths])[None].to(self.device)
+        final = {}
+        hook = self.layers[-1].register_forward_hook(
+            lambda m, a, out: final.__setitem__("h", out[0] if isinstance(out, tuple) else out))
+        try:
+            with torch.inference_mode():
+                out = self.model(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False,
+                                 output_hidden_states=True, logits_to_keep=1)
+        finally:
+            hook.remove()
+        aux = torch.cat([out.hidden_states[i][0] for i in self.layer_ids], dim=-1).to("cpu")
+        last = final["h"][0].to("cpu")
+        return list(zip(aux.split(lengths), last.split(lengths)))
+
+    def packs(self, plan: ShardPlan) -> list[list]:
+        """The shard's samples, in order, grouped into packs of at most max_num_batched_tokens tokens."""
+        packs, current, size = [], [], 0
+        for s in plan.samples:
+            n = int(s.input_ids.size)
+            if current and size + n > self.cfg.max_num_batched_tokens:
+                packs.append(current)
+                current, size = [], 0
+            current.append(s)
+            size += n
+        return packs + [current] if current else packs
+
+    def capture(self, plans: Sequence[ShardPlan], on_written, prog) -> dict:
+        passes = 0
+        for plan in plans:
+            samples = []
+            for pack in self.packs(plan):
+                for s, (aux, last) in zip(pack, self.forward_pack(pack)):
+                    samples.append(Sample(s.sample_id, s.split, torch.from_numpy(s.input_ids),
+                                          torch.from_numpy(s.loss_mask), aux, last))
+                passes += 1
+                prog.add(len(pack), sum(int(s.input_ids.size) for s in pack))
+            write_shard(plan.path, samples, self.layer_ids)
+            on_written(plan)
+        return {"passes": passes}
