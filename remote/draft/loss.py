@@ -51,6 +51,7 @@ class StepTargets:
     logits: torch.Tensor  # [T, Vd] target logits over the draft vocabulary (compute dtype)
     valid: torch.Tensor  # [K, T] bool: position t of step k counts
     counts: torch.Tensor  # [K] float32: valid positions per step in this batch
+    in_draft: torch.Tensor | None = None  # [T] bool: the target's full-vocabulary top-1 at t is in the draft vocabulary
 
 
 class TargetHead:
@@ -90,7 +91,7 @@ class TargetHead:
             v = (idx + 2 + k < t) & (b.doc_ids[j] == b.doc_ids) & b.loss_mask[j] & in_draft[(idx + 1 + k).clamp(max=t - 1)]
             valid.append(v)
         valid = torch.stack(valid)
-        return StepTargets(logits, valid, valid.sum(1).float())
+        return StepTargets(logits, valid, valid.sum(1).float(), in_draft)
 
 
 # ----------------------------------------------------------------------------- fused head + soft CE

@@ -182,6 +182,9 @@ def _flex_fn(compiled: bool):
     from torch.nn.attention.flex_attention import flex_attention
 
     if compiled and "c" not in _FLEX:
+        # One compile per TTT step (the key length grows by T each step): 7 steps, forward and
+        # backward, pass dynamo's default limit of 8 and would fall back to eager flex (dense scores).
+        torch._dynamo.config.recompile_limit = max(64, torch._dynamo.config.recompile_limit)
         _FLEX["c"] = torch.compile(flex_attention, dynamic=False)
     return _FLEX["c"] if compiled else flex_attention
 

@@ -1,0 +1,346 @@
+"""Train an EAGLE-3 draft on captured hidden states (the training-time-test objective).
+
+    python -m remote.train --config c.json
+    # {"capture_dir": "/runs/r1/capture", "vocab_dir": "/runs/r1/vocab", "out_dir": "/runs/r1/train",
+    #  "nproc_per_node": 8}
+
+With nproc_per_node (or nnodes) above 1 this process re-runs itself under torchrun, one process a
+GPU (or that many gloo processes on a CPU); several hosts join through torchrun's rendezvous
+(nnodes, node_rank, rdzv_endpoint, the same config on every host). The inputs are checked before
+the launch, so a bad input still exits 65.
+
+Parallelism is DDP, not FSDP: the trainable draft is ~0.4B (Llama-8B shape) to ~1.2B (Kimi-K2.5)
+parameters, whose fp32 weights, grads and AdamW moments (16 B/param, <20 GB) fit every GPU; the
+frozen embedding and target head are bf16 copies per GPU. Sharding them would add gathers to every
+step and save memory nobody is short of. Each rank reads only its own micro-batches.
+
+Writes out_dir/model.safetensors (the draft's trained weights, fp32, no embedding),
+draft_config.json, loss.jsonl (one line an optimizer step) and checkpoints/step-N/ (the last one).
+Checkpoints every `checkpoint_every` steps and at the end hold model, optimizer, scheduler, the
+data position (the step: the packing plan is a function of seed and epoch) and every rank's RNG;
+a killed run started again with the same config continues from the newest one exactly.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from remote.capture_store import CaptureSet
+from remote.draft.config import DraftConfig
+from remote.draft.data import CaptureIndex, pack
+from remote.draft.loss import TargetHead, TTTObjective
+from remote.draft.model import EagleDraft
+from remote.step import BadInput, StepOutput, emit, load_config, log, progress, step_main, write_json_atomic
+from remote.train_state import Checkpoints, Distributed, load_target_head_weights
+from remote.vocab import DraftVocab
+
+STEP = "train"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    capture_dir: str  # a finished capture step folder (remote.capture_store format)
+    vocab_dir: str  # a finished vocab step folder (vocab.safetensors)
+    out_dir: str  # where the trained draft goes (through out_dir.partial, which also holds checkpoints)
+    target: str = ""  # the target's folder (config.json, embedding, lm_head, final norm); "": the capture's
+    ttt_steps: int = 7  # unrolled training-time-test steps
+    step_decay: float = 0.8  # loss weight of step k is step_decay**k
+    token_budget: int = 8192  # tokens in one micro-batch of one rank (samples packed, longer ones cut)
+    grad_accum: int = 1  # micro-batches per rank per optimizer step
+    epochs: int = 1  # passes over the train split (ignored when max_steps > 0)
+    max_steps: int = 0  # optimizer steps; 0: as many as the epochs give
+    lr: float = 1e-4  # peak learning rate of AdamW
+    min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
+    warmup_steps: int = 0  # linear warmup steps
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    betas: tuple[float, float] = (0.9, 0.95)  # AdamW betas
+    grad_clip: float = 0.5  # max global gradient norm; 0: no clipping
+    checkpoint_every: int = 500  # optimizer steps between checkpoints (one is always written at the end)
+    keep_checkpoints: int = 1  # how many of the newest checkpoints survive
+    seed: int = 0  # draft initialisation and the data order
+    device: str = "auto"  # "auto" (cuda when there is one), "cuda" or "cpu"
+    compile: str = "auto"  # "auto" (on cuda), "yes" or "no": torch.compile the dense layer parts and flex attention
+    pad_multiple: int = 0  # pad each micro-batch to a multiple of this (0: 128 when compiled, else 1)
+    train_lm_head: bool = True  # train the draft lm_head (False: keep the target's rows frozen)
+    init_lm_head_from_target: bool = True  # start lm_head from the target's rows of the draft vocabulary
+    drop_outside_top1: bool = True  # drop positions whose target top-1 is outside the draft vocabulary
+    draft_overrides: dict = field(default_factory=dict)  # DraftConfig fields that differ from the target's
+    nproc_per_node: int = 1  # processes on this host (GPUs, or gloo processes on a CPU)
+    nnodes: int = 1  # hosts in the job
+    node_rank: int = 0  # this host's index (0 runs the rendezvous when rdzv_endpoint is empty)
+    rdzv_endpoint: str = ""  # host:port of the rendezvous for nnodes > 1
+    log_every: int = 1  # emit a train event every this many steps
+
+    def __post_init__(self):
+        for name in ("ttt_steps", "token_budget", "grad_accum", "epochs", "checkpoint_every", "keep_checkpoints",
+                     "nproc_per_node", "nnodes", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be at least 1")
+        if self.device not in ("auto", "cuda", "cpu"):
+            raise ValueError(f"device={self.device!r}: choose auto, cuda or cpu")
+        if self.compile not in ("auto", "yes", "no"):
+            raise ValueError(f"compile={self.compile!r}: choose auto, yes or no")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError(f"nnodes={self.nnodes} needs rdzv_endpoint (host:port of node 0)")
+        object.__setattr__(self, "betas", tuple(self.betas))
+
+
+# ----------------------------------------------------------------------------- the run
+class Trainer:
+    """Builds the model, optimizer and data plan from a config; `run()` trains to the end."""
+
+    def __init__(self, cfg: TrainConfig, dist: Distributed, stage: Path):
+        self.cfg, self.dist, self.stage = cfg, dist, stage
+        self.cuda = dist.device.type == "cuda"
+        self.compiled = cfg.compile == "yes" or (cfg.compile == "auto" and self.cuda)
+        self.dtype = torch.bfloat16 if self.cuda else torch.float32
+        self.pad = cfg.pad_multiple or (128 if self.compiled else 1)
+        inputs = resolve_inputs(cfg)
+        self.capture, self.vocab, self.dcfg, self.target = inputs
+        self.index = CaptureIndex.build(self.capture, split="train")
+        self._build_model()
+        self.micro = dist.world * cfg.grad_accum  # micro-batches per optimizer step, all ranks
+        self.plans = []  # per epoch: the packing plan, cut to whole optimizer steps
+        epochs = cfg.epochs if not cfg.max_steps else 10 ** 9
+        steps = 0
+        for e in range(epochs):
+            plan = pack(self.index.lengths, cfg.token_budget, cfg.seed, e)
+            n = len(plan) // self.micro
+            if n == 0:
+                raise BadInput(f"{len(plan)} micro-batches of {cfg.token_budget} tokens are fewer than one optimizer "
+                               f"step needs ({self.micro} = world {dist.world} x grad_accum {cfg.grad_accum})")
+            self.plans.append(plan[: n * self.micro])
+            steps += n
+            if cfg.max_steps and steps >= cfg.max_steps:
+                break
+        self.total_steps = cfg.max_steps or steps
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
+                                     fused=self.cuda or None)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self._lr_factor)
+        self.ckpt = Checkpoints(stage / "checkpoints", keep=cfg.keep_checkpoints)
+        self.history: list[dict] = []
+        self.step = 0
+
+    def _build_model(self):
+        cfg, dev = self.cfg, self.dist.device
+        embed, lm_head, norm_w = load_target_head_weights(self.target, self.dcfg)
+        torch.manual_seed(cfg.seed)  # the same initial draft on every rank (DDP also broadcasts rank 0's)
+        draft = EagleDraft(self.dcfg)
+        draft.embed_tokens.weight = torch.nn.Parameter(embed.to(self.dtype), requires_grad=False)
+        if cfg.init_lm_head_from_target:
+            with torch.no_grad():
+                draft.lm_head.weight.copy_(lm_head[self.vocab.draft_ids].float())
+        draft.lm_head.weight.requires_grad_(cfg.train_lm_head)
+        draft.to(dev)
+        if self.compiled:
+            draft.compile_layers()
+        self.draft = draft
+        self.head = TargetHead.from_weights(norm_w, lm_head, self.vocab.t2d, self.dcfg.rms_norm_eps,
+                                            cfg.drop_outside_top1).to(dev, self.dtype)
+        self.objective = TTTObjective(draft, cfg.ttt_steps, cfg.step_decay, "flex" if self.cuda else "dense",
+                                      compiled=self.compiled)
+        self.model = self.dist.wrap(self.objective)
+        self.params = [p for p in draft.parameters() if p.requires_grad]
+
+    def _lr_factor(self, s: int) -> float:
+        w = self.cfg.warmup_steps
+        if s < w:
+            return (s + 1) / w
+        frac = (s - w) / max(1, self.total_steps - w)
+        r = self.cfg.min_lr_ratio
+        return r + (1 - r) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
+
+    def _my_batches(self, step: int) -> list[list[int]]:
+        """This rank's micro-batches of an optimizer step (data sharded by rank)."""
+        for plan in self.plans:
+            n = len(plan) // self.micro
+            if step < n:
+                first = step * self.micro + self.dist.rank * self.cfg.grad_accum
+                return plan[first: first + self.cfg.grad_accum]
+            step -= n
+        raise AssertionError("step beyond the data plan")
+
+    def resume(self) -> None:
+        state = self.ckpt.load_latest(self.draft, self.opt, self.sched, self.dist)
+        if state is not None:
+            self.step, self.history = state["step"], state["history"]
+            log(f"train: resumed at step {self.step} from {state['path']}")
+
+    def train_step(self) -> dict:
+        cfg, dev = self.cfg, self.dist.device
+        t0 = time.perf_counter()
+        host = [self.index.load(b, cfg.token_budget, self.pad) for b in self._my_batches(self.step)]
+        batches = [b.to(dev, self.dtype) for b in host]
+        stats, gnorm = optimizer_step(self.model, self.head, batches, self.opt, self.params, self.dist,
+                                      cfg.ttt_steps, cfg.grad_clip)
+        self.sched.step()
+        tokens = self.dist.all_reduce(torch.tensor(float(sum(b.n_tokens for b in host)), device=dev))
+        n = stats[:, 2].clamp(min=1)
+        per_step = stats[:, 0] / n
+        weights = torch.tensor([cfg.step_decay ** k for k in range(cfg.ttt_steps)], device=dev)
+        dt = time.perf_counter() - t0
+        self.step += 1
+        return {"step": self.step, "loss": float((weights * per_step).sum()),
+                "acc": [round(float(a), 6) for a in stats[:, 1] / n], "ce": [float(c) for c in per_step],
+                "lr": self.opt.param_groups[0]["lr"], "grad_norm": float(gnorm), "tokens": int(tokens), "seconds": dt}
+
+    def run(self) -> dict:
+        self.resume()
+        t_start, tokens = time.perf_counter(), 0
+        while self.step < self.total_steps:
+            rec = self.train_step()
+            self.history.append(rec)
+            tokens += rec["tokens"]
+            if self.dist.rank == 0 and (self.step % self.cfg.log_every == 0 or self.step == self.total_steps):
+                emit("train", step=rec["step"], loss=rec["loss"], acc=rec["acc"], lr=rec["lr"],
+                     tokens_per_s=rec["tokens"] / rec["seconds"])
+                progress(self.step, self.total_steps, what="steps", loss=round(rec["loss"], 4))
+            if self.step % self.cfg.checkpoint_every == 0 or self.step == self.total_steps:
+                path = self.ckpt.save(self.step, self.draft, self.opt, self.sched, self.history, self.dist)
+                if self.dist.rank == 0:
+                    emit("checkpoint", step=self.step, path=str(path))
+        elapsed = time.perf_counter() - t_start
+        return {"tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0, "train_seconds": elapsed}
+
+
+def optimizer_step(model, head: TargetHead, batches, opt, params, dist: Distributed, ttt_steps: int,
+                   grad_clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step over this rank's micro-batches: targets, forward, loss, backward, clip, AdamW.
+
+    Returns the global per-TTT-step stats [K, 3] (CE sum, top-1 agreements, counted positions) and
+    the gradient norm. The loss is normalised by the global count of each step's positions, so any
+    split of the global batch over ranks and micro-batches gives the same gradient.
+    """
+    cuda = batches[0].aux.is_cuda
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+        targets = [head.targets(b, ttt_steps) for b in batches]
+    denom = dist.all_reduce(torch.stack([t.counts for t in targets]).sum(0))
+    stats = 0
+    for i, (b, t) in enumerate(zip(batches, targets)):
+        with dist.no_sync(model, last=i == len(batches) - 1):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+                loss, s = model(b, t, denom)
+            (loss * dist.world).backward()  # DDP averages over ranks; denom already is global
+        stats = stats + s.detach()
+    gnorm = torch.nn.utils.clip_grad_norm_(params, grad_clip) if grad_clip else torch.zeros(())
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return dist.all_reduce(stats), gnorm
+
+
+def resolve_inputs(cfg: TrainConfig):
+    """Open and cross-check the inputs (capture, vocab, target): the checks that make a bad input 65."""
+    capture = CaptureSet.from_manifest(cfg.capture_dir)
+    vocab = DraftVocab.load(cfg.vocab_dir)
+    target = Path(cfg.target or capture.target)
+    if not (target / "config.json").is_file():
+        raise BadInput(f"target {target}: no config.json (set target in the train config)")
+    try:
+        dcfg = DraftConfig.from_target_dir(target, draft_vocab_size=len(vocab.d2t), aux_layer_ids=capture.layer_ids,
+                                           **cfg.draft_overrides)
+    except (KeyError, TypeError, ValueError) as e:
+        raise BadInput(f"target {target}/config.json: {e}") from e
+    if len(vocab.t2d) != dcfg.target_vocab_size:
+        raise BadInput(f"vocab {cfg.vocab_dir} covers {len(vocab.t2d)} target ids, the target has {dcfg.target_vocab_size}")
+    if capture.hidden_size != (dcfg.target_hidden_size or dcfg.hidden_size):
+        raise BadInput(f"capture {cfg.capture_dir} has hidden size {capture.hidden_size}, target {target} has "
+                       f"{dcfg.hidden_size}")
+    return capture, vocab, dcfg, target
+
+
+def _fingerprint(capture_dir: str) -> str:
+    m = json.loads((Path(capture_dir) / "manifest.json").read_text())
+    return str(m.get("fingerprint") or m.get("capture", {}).get("fingerprint") or m.get("code_hash") or "")
+
+
+def train(cfg: TrainConfig) -> dict | None:
+    out = StepOutput(cfg.out_dir, STEP, asdict(cfg))
+    if (m := out.done()) is not None:
+        log(f"train: {cfg.out_dir} is already done")
+        return m
+    dist = Distributed.from_env(cfg.device)
+    stage = out.staging
+    if dist.rank == 0:
+        out.open()
+    dist.barrier()
+    try:
+        trainer = Trainer(cfg, dist, stage)
+        figures = trainer.run()
+    except BadInput as e:
+        (stage / f"bad_input.rank{dist.rank}.txt").write_text(str(e))  # the launcher reads it back
+        raise
+    dist.barrier()
+    if dist.rank != 0:
+        dist.close()
+        return None
+    last = trainer.history[-1]
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().float().cpu().contiguous() for k, v in trainer.draft.trainable_state_dict().items()},
+              str(stage / "model.safetensors"))
+    write_json_atomic(stage / "draft_config.json", trainer.dcfg.to_dict())
+    (stage / "loss.jsonl").write_text("".join(json.dumps(r) + "\n" for r in trainer.history))
+    figures.update(final_loss=last["loss"], final_acc=last["acc"], steps=trainer.step)
+    m = out.publish(
+        counts={"train_samples": len(trainer.index.refs), "steps": trainer.step, "world_size": dist.world,
+                "tokens": sum(r["tokens"] for r in trainer.history)},
+        figures=figures,
+        train={"weights": "model.safetensors", "draft_config": "draft_config.json", "loss_curve": "loss.jsonl",
+               "layer_ids": list(trainer.capture.layer_ids), "target": str(trainer.target),
+               "capture_dir": cfg.capture_dir, "vocab_dir": cfg.vocab_dir, "data_fingerprint": _fingerprint(cfg.capture_dir)},
+    )
+    dist.close()
+    return m
+
+
+# ----------------------------------------------------------------------------- launching
+def launch(cfg: TrainConfig, raw: dict) -> dict | None:
+    """Run this step under torchrun (several processes) and map its outcome to ours."""
+    resolve_inputs(cfg)  # a bad input fails here, with exit 65, before any process starts
+    out = StepOutput(cfg.out_dir, STEP, asdict(cfg))
+    if (m := out.done()) is not None:
+        return m
+    stage = out.open()
+    for f in stage.glob("bad_input.rank*.txt"):
+        f.unlink()
+    cfg_path = stage / "train.config.json"
+    write_json_atomic(cfg_path, raw)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={cfg.nproc_per_node}"]
+    if cfg.nnodes > 1:
+        cmd += [f"--nnodes={cfg.nnodes}", f"--node-rank={cfg.node_rank}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={cfg.rdzv_endpoint}"]
+    else:
+        cmd += ["--standalone"]
+    cmd += ["-m", "remote.train", "--config", str(cfg_path)]
+    log("train: launching " + " ".join(cmd))
+    rc = subprocess.call(cmd, env={**os.environ, "EAGLET_UNDER_TORCHRUN": "1"})
+    bad = sorted(stage.glob("bad_input.rank*.txt"))
+    if bad:
+        raise BadInput(bad[0].read_text())
+    if rc != 0:
+        raise RuntimeError(f"torchrun exited {rc}")
+    return StepOutput(cfg.out_dir, STEP, asdict(cfg)).done()
+
+
+def run(raw: dict) -> dict | None:
+    cfg = load_config(TrainConfig, raw)
+    if (cfg.nproc_per_node > 1 or cfg.nnodes > 1) and "EAGLET_UNDER_TORCHRUN" not in os.environ:
+        return launch(cfg, raw)
+    return train(cfg)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return step_main(STEP, run, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

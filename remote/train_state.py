@@ -1,0 +1,207 @@
+"""What remote.train keeps apart from the training loop: processes, checkpoints, target weights.
+
+    dist = Distributed.from_env("auto")          # torchrun's env (RANK, WORLD_SIZE...) or one process
+    ckpt = Checkpoints(stage / "checkpoints", keep=1)
+    ckpt.save(step, draft, opt, sched, history, dist); ckpt.load_latest(draft, opt, sched, dist)
+    embed, lm_head, norm = load_target_head_weights(target_dir, draft_config)
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as tdist
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from remote.step import BadInput, write_json_atomic
+
+
+@dataclass
+class Distributed:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+
+    @classmethod
+    def from_env(cls, device: str = "auto") -> "Distributed":
+        use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+        if device == "cuda" and not torch.cuda.is_available():
+            raise BadInput("device=cuda but torch sees no GPU")
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        if use_cuda:
+            torch.cuda.set_device(local_rank)
+            dev = torch.device("cuda", local_rank)
+        else:
+            dev = torch.device("cpu")
+            if local_world > 1:  # gloo processes on one CPU: share the cores instead of oversubscribing
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        if world > 1 and not tdist.is_initialized():
+            tdist.init_process_group("nccl" if use_cuda else "gloo", device_id=dev if use_cuda else None)
+        return cls(rank, world, local_rank, dev)
+
+    def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
+        if self.world == 1:
+            return module
+        from torch.nn.parallel import DistributedDataParallel
+
+        # Frozen tensors (target head, embedding) are no buffers to sync; gradients are bucketed
+        # and all-reduced while the backward still runs.
+        return DistributedDataParallel(module, device_ids=[self.local_rank] if self.device.type == "cuda" else None,
+                                       broadcast_buffers=False)
+
+    def no_sync(self, model, last: bool):
+        """Skip the gradient all-reduce on all but the last accumulated micro-batch."""
+        return model.no_sync() if self.world > 1 and not last else contextlib.nullcontext()
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            tdist.all_reduce(t)
+        return t
+
+    def gather_objects(self, obj) -> list:
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world
+        tdist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            tdist.barrier()
+
+    def close(self) -> None:
+        if self.world > 1 and tdist.is_initialized():
+            tdist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def _rng_state() -> dict:
+    s = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        s["cuda"] = torch.cuda.get_rng_state()
+    return s
+
+
+def _set_rng_state(s: dict) -> None:
+    torch.set_rng_state(s["torch"])
+    random.setstate(s["python"])
+    if "cuda" in s and torch.cuda.is_available():
+        torch.cuda.set_rng_state(s["cuda"])
+
+
+def _fsync_tree(d: Path) -> None:
+    for p in d.iterdir():
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Checkpoints:
+    """step-NNNNNNNN/ folders: model.safetensors, optimizer.pt, state.pt, meta.json.
+
+    Written under a dot-name by rank 0 and renamed when whole: a kill mid-save leaves the previous
+    checkpoint as the newest one.
+    """
+
+    def __init__(self, root: Path, keep: int = 1):
+        self.root, self.keep = Path(root), keep
+
+    def _all(self) -> list[Path]:
+        if not self.root.is_dir():
+            return []
+        return sorted(p for p in self.root.glob("step-*") if (p / "meta.json").is_file())
+
+    def save(self, step: int, draft, opt, sched, history: list[dict], dist: Distributed) -> Path:
+        rngs = dist.gather_objects(_rng_state())
+        final = self.root / f"step-{step:08d}"
+        if dist.rank == 0:
+            tmp = self.root / f".tmp-step-{step:08d}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            save_file({k: v.detach().float().cpu().contiguous() for k, v in draft.trainable_state_dict().items()},
+                      str(tmp / "model.safetensors"))
+            torch.save(opt.state_dict(), tmp / "optimizer.pt")
+            torch.save({"scheduler": sched.state_dict(), "rng": rngs}, tmp / "state.pt")
+            write_json_atomic(tmp / "meta.json", {"step": step, "history": history})
+            _fsync_tree(tmp)
+            os.replace(tmp, final)
+            for old in self._all()[:-self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        dist.barrier()
+        return final
+
+    def load_latest(self, draft, opt, sched, dist: Distributed) -> dict | None:
+        found = self._all()
+        if not found:
+            return None
+        p = found[-1]
+        weights = load_file(str(p / "model.safetensors"), device=str(dist.device))
+        missing, unexpected = draft.load_state_dict(weights, strict=False)
+        missing = [k for k in missing if not k.startswith("embed_tokens.")]
+        if missing or unexpected:
+            raise BadInput(f"checkpoint {p} does not fit this draft (missing {missing}, unexpected {unexpected}); "
+                           "delete it or use the config it was trained with")
+        opt.load_state_dict(torch.load(p / "optimizer.pt", map_location=dist.device, weights_only=False))
+        state = torch.load(p / "state.pt", weights_only=False)
+        sched.load_state_dict(state["scheduler"])
+        if len(state["rng"]) == dist.world:
+            _set_rng_state(state["rng"][dist.rank])
+        meta = json.loads((p / "meta.json").read_text())
+        return {"step": meta["step"], "history": meta["history"], "path": str(p)}
+
+
+# ----------------------------------------------------------------------------- the target's weights
+def _weight_files(target: Path) -> dict[str, Path]:
+    """Tensor name -> file, from the safetensors index or by opening every shard."""
+    idx = target / "model.safetensors.index.json"
+    if idx.is_file():
+        return {k: target / v for k, v in json.loads(idx.read_text())["weight_map"].items()}
+    out = {}
+    for f in sorted(target.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            out.update({k: f for k in h.keys()})
+    if not out:
+        raise BadInput(f"target {target}: no safetensors weights")
+    return out
+
+
+def _pick(names, suffix: str) -> str | None:
+    """The outermost text-model tensor ending with suffix (not a decoder layer's, not a vision tower's)."""
+    c = [n for n in names if n.endswith(suffix) and ".layers." not in n and "vision" not in n
+         and (suffix != "norm.weight" or n.endswith("model.norm.weight") or n == "norm.weight")]
+    return min(c, key=len) if c else None
+
+
+def load_target_head_weights(target: Path, dcfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(embedding [V, H], lm_head [V, H], final norm [H]) of the target; lm_head falls back to the
+    embedding when the target ties them."""
+    files = _weight_files(Path(target))
+    names = {"embed": _pick(files, "embed_tokens.weight"), "lm_head": _pick(files, "lm_head.weight"),
+             "norm": _pick(files, "norm.weight")}
+    if names["lm_head"] is None:
+        names["lm_head"] = names["embed"]  # tie_word_embeddings
+    missing = [k for k, v in names.items() if v is None]
+    if missing:
+        raise BadInput(f"target {target}: no tensor for {missing} among its weights")
+    out = {}
+    for key, name in names.items():
+        with safe_open(str(files[name]), framework="pt") as h:
+            out[key] = h.get_tensor(name)
+    v, hsz = dcfg.target_vocab_size, dcfg.hidden_size
+    for key, shape in (("embed", (v, hsz)), ("lm_head", (v, hsz)), ("norm", (hsz,))):
+        if tuple(out[key].shape) != shape:
+            raise BadInput(f"target {target}: {names[key]} has shape {tuple(out[key].shape)}, expected {shape}")
+    return out["embed"], out["lm_head"], out["norm"]

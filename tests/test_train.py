@@ -1,0 +1,190 @@
+"""The train step on the CPU: 2 gloo processes vs 1 with the same global batch, kill and resume,
+streamed events, bad input. Hidden states are real: the tiny Llama's own, taken with transformers
+(the capture step takes them with vLLM; FACTS.md: the two agree to 5e-7) and written with the
+capture store's own write_shard."""
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from remote.capture_store import Sample, write_shard
+from remote.step import EVENT_PREFIX, EXIT_BAD_INPUT
+from remote.vocab import choose_vocab
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYER_IDS = (1, 3, 5)  # HF hidden-state indices of the 6-layer tiny Llama
+
+
+# ----------------------------------------------------------------------------- helpers (test_export uses them)
+def hf_capture(model_dir: Path, seqs: list[list[int]], masks: list[list[int]], out_dir: Path,
+               layer_ids=LAYER_IDS, per_shard: int = 16, nan_in: str | None = None) -> Path:
+    """A finished capture folder: shards of the target's aux and last (pre-norm) states, manifest."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    last = {}
+    model.model.norm.register_forward_pre_hook(lambda m, args: last.__setitem__("h", args[0]))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    samples = []
+    with torch.no_grad():
+        for i, (ids, mask) in enumerate(zip(seqs, masks)):
+            hs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+            aux = torch.cat([hs[j][0] for j in layer_ids], -1)
+            if nan_in == f"s{i}":
+                aux[len(ids) // 2, 0] = float("nan")
+            samples.append(Sample(f"s{i}", "train", torch.tensor(ids, dtype=torch.int32),
+                                  torch.tensor(mask, dtype=torch.uint8), aux, last["h"][0].clone()))
+    shards = []
+    for n, a in enumerate(range(0, len(samples), per_shard)):
+        p = out_dir / f"shard-{n:05d}.safetensors"
+        write_shard(p, samples[a:a + per_shard], layer_ids)
+        shards.append(str(p))
+    manifest = {"step": "capture", "fingerprint": f"test-{len(samples)}",
+                "capture": {"shards": shards, "layer_ids": list(layer_ids), "hidden_size": model.config.hidden_size,
+                            "dtype": "float32", "target": str(model_dir)}}
+    (out_dir / "manifest.json").write_text(json.dumps(manifest))
+    return out_dir
+
+
+def save_vocab(seqs, masks, vocab_size: int, n: int, out_dir: Path) -> Path:
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for ids, mask in zip(seqs, masks):
+        for t, m in zip(ids, mask):
+            counts[t] += m
+    out_dir.mkdir(parents=True, exist_ok=True)
+    choose_vocab(counts, n).save(out_dir / "vocab.safetensors")
+    return out_dir
+
+
+def random_chats(n: int, vocab: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    seqs, masks = [], []
+    for _ in range(n):
+        t = int(torch.randint(16, 48, (1,), generator=g))
+        seqs.append(torch.randint(3, vocab, (t,), generator=g).tolist())
+        masks.append([0] * (t // 3) + [1] * (t - t // 3))
+    return seqs, masks
+
+
+def run_train(cfg: dict, cfg_path: Path, kill_after_checkpoint: int | None = None) -> subprocess.CompletedProcess:
+    """`python -m remote.train` as the host runs it; optionally SIGKILLed after the n-th checkpoint."""
+    cfg_path.write_text(json.dumps(cfg))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}  # tiny model: threads only contend
+    cmd = [sys.executable, "-m", "remote.train", "--config", str(cfg_path)]
+    if kill_after_checkpoint is None:
+        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    seen = 0
+    for line in p.stdout:
+        if line.startswith(EVENT_PREFIX) and json.loads(line[len(EVENT_PREFIX):])["event"] == "checkpoint":
+            seen += 1
+            if seen == kill_after_checkpoint:
+                p.send_signal(signal.SIGKILL)
+                break
+    p.wait(timeout=60)
+    return subprocess.CompletedProcess(cmd, p.returncode, "", "")
+
+
+def events(stdout: str, kind: str) -> list[dict]:
+    evs = [json.loads(line[len(EVENT_PREFIX):]) for line in stdout.splitlines() if line.startswith(EVENT_PREFIX)]
+    return [e for e in evs if e["event"] == kind]
+
+
+# ----------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def inputs(tiny_llama, tmp_path_factory):
+    d = tmp_path_factory.mktemp("train-inputs")
+    vocab = json.loads((tiny_llama / "config.json").read_text())["vocab_size"]
+    seqs, masks = random_chats(24, vocab)
+    cap = hf_capture(tiny_llama, seqs, masks, d / "capture")
+    voc = save_vocab(seqs, masks, vocab, 200, d / "vocab")
+    return {"capture_dir": str(cap), "vocab_dir": str(voc), "ttt_steps": 3, "token_budget": 96, "lr": 3e-3,
+            "warmup_steps": 1, "max_steps": 4, "checkpoint_every": 2, "seed": 1, "device": "cpu"}
+
+
+@pytest.fixture(scope="module")
+def reference_run(inputs, tmp_path_factory):
+    """One process, grad_accum 2: the uninterrupted run the others are compared with."""
+    d = tmp_path_factory.mktemp("train-ref")
+    r = run_train({**inputs, "grad_accum": 2, "out_dir": str(d / "out")}, d / "c.json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return d / "out", r
+
+
+def _curve(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "loss.jsonl").read_text().splitlines()]
+
+
+# ----------------------------------------------------------------------------- tests
+def test_streams_loss_and_step_accuracy(reference_run):
+    out, r = reference_run
+    train = events(r.stdout, "train")
+    assert [e["step"] for e in train] == list(range(1, 5))
+    assert all(len(e["acc"]) == 3 and all(0 <= a <= 1 for a in e["acc"]) for e in train)
+    assert train[-1]["loss"] < train[0]["loss"]  # it learns
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["train"]["layer_ids"] == list(LAYER_IDS) and m["counts"]["steps"] == 4
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000004"]
+    w = load_file(str(out / "model.safetensors"))
+    assert "embed_tokens.weight" not in w and w["fc.weight"].shape == (64, 3 * 64)
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_match_one_with_the_same_global_batch(inputs, reference_run, tmp_path):
+    ref_out, _ = reference_run
+    r = run_train({**inputs, "nproc_per_node": 2, "grad_accum": 1, "out_dir": str(tmp_path / "out")}, tmp_path / "c.json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = load_file(str(ref_out / "model.safetensors")), load_file(str(tmp_path / "out" / "model.safetensors"))
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=2e-5, rtol=1e-4), f"{k}: max diff {(a[k] - b[k]).abs().max():.2e}"
+    assert _curve(ref_out) == pytest.approx(_curve(tmp_path / "out"), rel=1e-4)
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["counts"]["world_size"] == 2
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_on_the_uninterrupted_curve(inputs, reference_run, tmp_path):
+    ref_out, _ = reference_run
+    cfg = {**inputs, "grad_accum": 2, "out_dir": str(tmp_path / "out")}
+    killed = run_train(cfg, tmp_path / "c.json", kill_after_checkpoint=1)  # killed after step 2's checkpoint
+    assert killed.returncode == -signal.SIGKILL
+    assert not (tmp_path / "out").exists() and (tmp_path / "out.partial" / "checkpoints" / "step-00000002").is_dir()
+    r = run_train(cfg, tmp_path / "c.json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed at step 2" in r.stdout
+    assert [e["step"] for e in events(r.stdout, "train")] == [3, 4]
+    assert _curve(tmp_path / "out") == pytest.approx(_curve(ref_out), rel=1e-6, abs=1e-7)
+    a, b = load_file(str(ref_out / "model.safetensors")), load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def test_nan_in_the_capture_names_the_sample(tiny_llama, tmp_path, capsys):
+    from remote.train import main
+
+    vocab = json.loads((tiny_llama / "config.json").read_text())["vocab_size"]
+    seqs, masks = random_chats(4, vocab, seed=2)
+    cap = hf_capture(tiny_llama, seqs, masks, tmp_path / "capture", nan_in="s2")
+    voc = save_vocab(seqs, masks, vocab, 100, tmp_path / "vocab")
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"capture_dir": str(cap), "vocab_dir": str(voc), "out_dir": str(tmp_path / "out"),
+                               "token_budget": 64, "max_steps": 2, "device": "cpu", "ttt_steps": 2}))
+    assert main(["--config", str(cfg)]) == EXIT_BAD_INPUT
+    assert "sample 's2'" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_mismatched_vocab_fails_before_launching_processes(inputs, tmp_path, capsys):
+    from remote.train import main
+
+    bad_vocab = tmp_path / "vocab"
+    bad_vocab.mkdir()
+    choose_vocab(torch.ones(77, dtype=torch.int64), 10).save(bad_vocab / "vocab.safetensors")
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({**inputs, "vocab_dir": str(bad_vocab), "nproc_per_node": 2, "out_dir": str(tmp_path / "o")}))
+    assert main(["--config", str(cfg)]) == EXIT_BAD_INPUT
+    assert "covers 77 target ids" in capsys.readouterr().err
