@@ -1,0 +1,284 @@
+"""Training throughput of the EAGLE-3 draft step, eaglet beside the speculators anchor.
+
+    python bench/train_bench.py --shape llama8b kimi25 --ttt 3 7 --impl eaglet speculators --out r.jsonl
+    python bench/train_bench.py --shape tiny --ttt 2 --impl eaglet --steps 2      # the CPU smoke
+    torchrun --nproc-per-node 2 bench/train_bench.py --shape llama8b --ttt 3      # DDP scaling (issue 8)
+
+One step = what remote.train does for an optimizer step (remote.train.optimizer_step): target
+logits and masks, the unrolled TTT forward, loss, backward, gradient clipping, AdamW. Inputs are
+synthetic with the real shapes: `--tokens` packed positions a step (samples of `--doc-len`), bf16
+hidden states, an all-ones loss mask. tokens/s counts positions a step (not times TTT).
+
+FLOPs (stated, per step, what MFU divides by the step time and the bf16 dense peak):
+  matmuls: per TTT step and position 2*(q,k,v,o,gate,up,down,lm_head params), plus fc (3H*H) once;
+  times 3 for forward + backward (the standard 6N; counted the same for both implementations even
+  where a frozen lm_head skips its weight gradient), plus the target's draft-vocab logits 2*H*Vd
+  once a position, plus attention 4*d*heads*(keys seen) forward, times 3.5 with its backward.
+  Not counted: eaglet's full-vocabulary top-1 check (2*H*(V-Vd) a position, forward only).
+The speculators side (0.9.0, if importable) is its own compiled Eagle3DraftModel.forward with
+its fused KL loss under bf16 autocast, then backward, clip (1.0) and AdamW, as its trainer does.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from remote.draft.config import DraftConfig  # noqa: E402
+from remote.draft.loss import PackedBatch, TargetHead, TTTObjective  # noqa: E402
+from remote.draft.model import EagleDraft  # noqa: E402
+from remote.train import optimizer_step  # noqa: E402
+from remote.train_state import Distributed  # noqa: E402
+
+SHAPES = {  # H, heads, kv heads, head dim, intermediate, target vocab, draft vocab
+    "llama8b": dict(hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336,
+                    target_vocab_size=128256, draft_vocab_size=32000, rope_theta=500000.0),
+    "kimi25": dict(hidden_size=7168, num_heads=64, num_kv_heads=64, head_dim=128, intermediate_size=18432,
+                   target_vocab_size=163840, draft_vocab_size=32000, rope_theta=50000.0),
+    "tiny": dict(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
+                 target_vocab_size=512, draft_vocab_size=128),
+}
+PEAK_BF16 = 989e12  # H200 SXM dense bf16, datasheet
+
+
+def draft_config(shape: str) -> DraftConfig:
+    return DraftConfig(**SHAPES[shape], aux_layer_ids=(2, 16, 29), rms_norm_eps=1e-5)
+
+
+def step_flops(c: DraftConfig, tokens: int, doc_len: int, ttt: int) -> float:
+    h, d = c.hidden_size, c.head_dim
+    per_pos = (2 * h * c.num_heads * d + 2 * 2 * h * c.num_kv_heads * d + c.num_heads * d * h
+               + 3 * h * c.intermediate_size + h * c.draft_vocab_size)
+    matmul = 3 * 2 * tokens * (ttt * per_pos + 3 * h * h) + 2 * tokens * h * c.draft_vocab_size
+    keys = (doc_len + 1) / 2  # causal, averaged over a sample; plus the diagonal keys of earlier steps
+    attn = sum(3.5 * 4 * d * c.num_heads * tokens * (keys + k) for k in range(ttt))
+    return matmul + attn
+
+
+def synthetic_batch(c: DraftConfig, tokens: int, doc_len: int, device, dtype, seed: int = 0) -> PackedBatch:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    lengths = [doc_len] * (tokens // doc_len) + ([tokens % doc_len] if tokens % doc_len else [])
+    b = PackedBatch(
+        input_ids=torch.randint(0, c.target_vocab_size, (tokens,), generator=g),
+        loss_mask=torch.ones(tokens, dtype=torch.bool),
+        aux=torch.randn(tokens, c.fc_in, generator=g),
+        last=torch.randn(tokens, c.hidden_size, generator=g),
+        positions=torch.cat([torch.arange(n) for n in lengths]),
+        doc_ids=torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)),
+        n_tokens=tokens,
+    )
+    return b.to(device, dtype)
+
+
+def _target_weights(c: DraftConfig, device, dtype, seed: int = 1):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    embed = (torch.randn(c.target_vocab_size, c.hidden_size, generator=g) * 0.02).to(device, dtype)
+    lm_head = (torch.randn(c.target_vocab_size, c.hidden_size, generator=g) * 0.02).to(device, dtype)
+    t2d = torch.zeros(c.target_vocab_size, dtype=torch.bool)
+    t2d[torch.randperm(c.target_vocab_size, generator=g)[: c.draft_vocab_size]] = True
+    return embed, lm_head, t2d.to(device)
+
+
+# ----------------------------------------------------------------------------- the two steps
+def eaglet_step(c: DraftConfig, ttt: int, device, train_lm_head: bool, dist: Distributed, top1_check: bool = True):
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    embed, lm_head, t2d = _target_weights(c, device, dtype)
+    torch.manual_seed(0)
+    draft = EagleDraft(c)
+    draft.embed_tokens.weight = torch.nn.Parameter(embed, requires_grad=False)
+    draft.to(device)
+    with torch.no_grad():
+        draft.lm_head.weight.copy_(lm_head[t2d].float())
+    draft.lm_head.weight.requires_grad_(train_lm_head)
+    if cuda:
+        draft.compile_layers()
+    head = TargetHead.from_weights(torch.ones(c.hidden_size, device=device, dtype=dtype), lm_head, t2d, c.rms_norm_eps,
+                                   drop_outside_top1=top1_check)
+    del lm_head
+    obj = TTTObjective(draft, ttt, 0.8, "flex" if cuda else "dense", compiled=cuda)
+    model = dist.wrap(obj)
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=cuda or None)
+
+    def step(batch: PackedBatch):
+        stats, _ = optimizer_step(model, head, [batch], opt, params, dist, ttt, 0.5)
+        return stats
+
+    return step, draft
+
+
+def speculators_step(c: DraftConfig, ttt: int, device, train_lm_head: bool):
+    import types
+
+    # speculators.models.eagle3.data imports its training data module (datasets, openai,
+    # hs_connectors) for one type name; the model step needs none of it, the GPU image has no
+    # datasets/openai: stand in a module holding that name.
+    stub = types.ModuleType("speculators.train.data")
+    stub.BatchType = dict
+    sys.modules["speculators.train.data"] = stub
+    import speculators.losses.fused as fused
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.losses import resolve_loss_config
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import LlamaConfig
+
+    # torch 2.11 / triton 3.6: the fused loss's two kernels share one autotune `configs` list and the
+    # backward's launch fails; giving the backward kernel its own copy is the known fix (issue 5).
+    fused.loss_backward_kernel.configs = list(fused._tile_configs())
+    tl = LlamaConfig(hidden_size=c.hidden_size, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+                     head_dim=c.head_dim, intermediate_size=c.intermediate_size, vocab_size=c.target_vocab_size,
+                     num_hidden_layers=1, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
+                     max_position_embeddings=c.max_position_embeddings)
+    cfg = Eagle3SpeculatorConfig(
+        transformer_layer_config=tl, draft_vocab_size=c.draft_vocab_size, norm_before_residual=False,
+        eagle_aux_hidden_state_layer_ids=list(c.aux_layer_ids),
+        speculators_config=SpeculatorsConfig(
+            algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=ttt)],
+            default_proposal_method="greedy", verifier=VerifierConfig(name_or_path=None, architectures=["LlamaForCausalLM"])))
+    model = Eagle3DraftModel(cfg)
+    embed, lm_head, t2d = _target_weights(c, torch.device("cpu"), torch.float32)
+    with torch.no_grad():  # its verifier pieces start as NaN until loaded from a verifier: load ours
+        model.embed_tokens.weight.copy_(embed)
+        model.lm_head.weight.copy_(lm_head[t2d])
+        model.verifier_lm_head.weight.copy_(lm_head[t2d])
+        ids = t2d.nonzero().squeeze(1)
+        model.t2d.copy_(t2d)
+        model.d2t.copy_(ids - torch.arange(len(ids)))
+    model.lm_head.weight.requires_grad_(train_lm_head)
+    model.to(device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=device.type == "cuda" or None)
+    loss_config = resolve_loss_config("kl_div", "fused")
+
+    def step(b: PackedBatch):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            _, loss, _ = model(hidden_states=b.aux[None], input_ids=b.input_ids[None], document_ids=b.doc_ids[None],
+                               loss_mask=b.loss_mask[None], position_ids=b.positions[None],
+                               verifier_last_hidden_states=b.last[None], ttt_steps=ttt, ttt_step_loss_decay=0.8,
+                               loss_config=loss_config)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        return loss.detach()
+
+    return step, model
+
+
+# ----------------------------------------------------------------------------- measuring
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(impl: str, shape: str, ttt: int, args, dist: Distributed) -> dict:
+    device = dist.device
+    c = draft_config(shape)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    if impl == "speculators":
+        step, model = speculators_step(c, ttt, device, args.train_lm_head)
+    else:  # eaglet_no_top1: without the full-vocabulary top-1 check, the objective speculators computes
+        step, model = eaglet_step(c, ttt, device, args.train_lm_head, dist, top1_check=impl == "eaglet")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    batches = [synthetic_batch(c, args.tokens, args.doc_len, device, dtype, seed=i + 100 * dist.rank) for i in range(2)]
+    t0 = time.perf_counter()
+    step(batches[0])
+    _sync(device)
+    first = time.perf_counter() - t0
+    for i in range(args.warmup):
+        step(batches[(i + 1) % 2])
+    _sync(device)
+    times = []
+    for i in range(args.steps):
+        t = time.perf_counter()
+        out = step(batches[i % 2])
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    med = statistics.median(times)
+    flops = step_flops(c, args.tokens, args.doc_len, ttt)
+    rec = {"impl": impl, "shape": shape, "ttt": ttt, "tokens": args.tokens, "doc_len": args.doc_len,
+           "world": dist.world, "train_lm_head": args.train_lm_head, "first_step_s": round(first, 2),
+           "step_s_median": round(med, 5), "step_s_min": round(min(times), 5),
+           "tokens_per_s": round(args.tokens / med, 1), "tflops_per_step": round(flops / 1e12, 2),
+           "mfu": round(flops / med / PEAK_BF16, 4) if device.type == "cuda" else None,
+           "finite": bool(torch.isfinite(out).all())}
+    if device.type == "cuda":
+        rec["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 2)
+        rec["gpu"] = torch.cuda.get_device_name()
+    del step, model, batches
+    return rec
+
+
+def check_flex_against_dense(device) -> dict:
+    """The GPU path (compiled flex attention) against the dense one, forward and gradients, bf16."""
+    c = draft_config("tiny")
+    c = DraftConfig(**{**c.to_dict(), "hidden_size": 256, "num_heads": 4, "num_kv_heads": 2, "head_dim": 64})
+    b = synthetic_batch(c, 384, 100, device, torch.bfloat16)
+    embed, lm_head, t2d = _target_weights(c, device, torch.bfloat16)
+    head = TargetHead.from_weights(torch.ones(c.hidden_size, device=device, dtype=torch.bfloat16), lm_head, t2d, 1e-5)
+    out = {}
+    for backend in ("dense", "flex"):
+        torch.manual_seed(0)
+        d = EagleDraft(c)
+        d.embed_tokens.weight = torch.nn.Parameter(embed, requires_grad=False)
+        d.to(device)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            tgt = head.targets(b, 3)
+            loss, _ = TTTObjective(d, 3, 0.8, backend, compiled=backend == "flex")(b, tgt, tgt.counts)
+        loss.backward()
+        out[backend] = (loss.item(), torch.cat([p.grad.flatten().float() for p in d.parameters() if p.grad is not None]))
+    rel = ((out["dense"][1] - out["flex"][1]).norm() / out["dense"][1].norm()).item()
+    return {"check": "flex_vs_dense", "loss_dense": out["dense"][0], "loss_flex": out["flex"][0], "grad_rel_diff": rel}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", nargs="+", default=["llama8b"], choices=sorted(SHAPES))
+    ap.add_argument("--ttt", nargs="+", type=int, default=[3])
+    ap.add_argument("--impl", nargs="+", default=["eaglet"], choices=["eaglet", "eaglet_no_top1", "speculators"])
+    ap.add_argument("--tokens", type=int, default=8192, help="packed positions a step (per rank)")
+    ap.add_argument("--doc-len", type=int, default=2048, help="sample length inside the packed batch")
+    ap.add_argument("--steps", type=int, default=8, help="timed steps (median reported)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps after the first")
+    ap.add_argument("--train-lm-head", action="store_true", help="train lm_head (speculators 0.9.0 keeps it frozen)")
+    ap.add_argument("--check", action="store_true", help="first compare flex and dense attention on the GPU")
+    ap.add_argument("--out", default="", help="append one JSON line a result here")
+    args = ap.parse_args(argv)
+    dist = Distributed.from_env("auto")
+    if args.tokens < args.doc_len:
+        args.doc_len = args.tokens
+    results = []
+    if args.check and dist.device.type == "cuda":
+        results.append(check_flex_against_dense(dist.device))
+        print(json.dumps(results[-1]), flush=True)
+    for shape in args.shape:
+        for ttt in args.ttt:
+            for impl in args.impl:
+                try:
+                    rec = measure(impl, shape, ttt, args, dist)
+                except Exception as e:  # keep the other measurements; say what failed
+                    rec = {"impl": impl, "shape": shape, "ttt": ttt, "error": f"{type(e).__name__}: {e}"[:2000]}
+                results.append(rec)
+                if dist.rank == 0:
+                    print(json.dumps(rec), flush=True)
+                    if args.out:
+                        with open(args.out, "a") as f:
+                            f.write(json.dumps(rec) + "\n")
+    dist.close()
+    return 0 if all("error" not in r for r in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
