@@ -56,7 +56,7 @@ class TrainConfig:
     step_decay: float = 0.8  # loss weight of step k is step_decay**k
     token_budget: int = 8192  # tokens in one micro-batch of one rank (samples packed, longer ones cut)
     grad_accum: int = 1  # micro-batches per rank per optimizer step
-    epochs: int = 1  # passes over the train split (ignored when max_steps > 0)
+    epochs: float = 1.0  # passes over the train split, fractions allowed (ignored when max_steps > 0)
     max_steps: int = 0  # optimizer steps; 0: as many as the epochs give
     lr: float = 1e-4  # peak learning rate of AdamW
     min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
@@ -74,6 +74,7 @@ class TrainConfig:
     init_lm_head_from_target: bool = True  # start lm_head from the target's rows of the draft vocabulary
     drop_outside_top1: bool = True  # drop positions whose target top-1 is outside the draft vocabulary
     draft_overrides: dict = field(default_factory=dict)  # DraftConfig fields that differ from the target's
+    warm_start: str = ""  # an exported draft folder (remote.export) to start from; its vocabulary must be this one
     nproc_per_node: int = 1  # processes on this host (GPUs, or gloo processes on a CPU)
     nnodes: int = 1  # hosts in the job
     node_rank: int = 0  # this host's index (0 runs the rendezvous when rdzv_endpoint is empty)
@@ -81,7 +82,9 @@ class TrainConfig:
     log_every: int = 1  # emit a train event every this many steps
 
     def __post_init__(self):
-        for name in ("ttt_steps", "token_budget", "grad_accum", "epochs", "checkpoint_every", "keep_checkpoints",
+        if self.epochs <= 0:
+            raise ValueError(f"epochs={self.epochs}: must be positive")
+        for name in ("ttt_steps", "token_budget", "grad_accum", "checkpoint_every", "keep_checkpoints",
                      "nproc_per_node", "nnodes", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be at least 1")
@@ -110,7 +113,7 @@ class Trainer:
         self._build_model()
         self.micro = dist.world * cfg.grad_accum  # micro-batches per optimizer step, all ranks
         self.plans = []  # per epoch: the packing plan, cut to whole optimizer steps
-        epochs = cfg.epochs if not cfg.max_steps else 10 ** 9
+        epochs = math.ceil(cfg.epochs) if not cfg.max_steps else 10 ** 9
         steps = 0
         for e in range(epochs):
             plan = pack(self.index.lengths, cfg.token_budget, cfg.seed, e)
@@ -122,7 +125,7 @@ class Trainer:
             steps += n
             if cfg.max_steps and steps >= cfg.max_steps:
                 break
-        self.total_steps = cfg.max_steps or steps
+        self.total_steps = cfg.max_steps or max(1, round(steps * cfg.epochs / math.ceil(cfg.epochs)))
         self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
                                      fused=self.cuda or None)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self._lr_factor)
@@ -139,6 +142,8 @@ class Trainer:
         if cfg.init_lm_head_from_target:
             with torch.no_grad():
                 draft.lm_head.weight.copy_(lm_head[self.vocab.draft_ids].float())
+        if cfg.warm_start:
+            self._warm_start(draft)
         draft.lm_head.weight.requires_grad_(cfg.train_lm_head)
         draft.to(dev)
         if self.compiled:
@@ -150,6 +155,24 @@ class Trainer:
                                       compiled=self.compiled)
         self.model = self.dist.wrap(self.objective)
         self.params = [p for p in draft.parameters() if p.requires_grad]
+
+    def _warm_start(self, draft: EagleDraft) -> None:
+        """Start from an exported draft (the nightly retrain): same shapes, same vocabulary."""
+        from safetensors.torch import load_file
+
+        p = Path(self.cfg.warm_start) / "model.safetensors"
+        if not p.is_file():
+            raise BadInput(f"warm_start {self.cfg.warm_start}: no model.safetensors")
+        w = load_file(str(p))
+        if "d2t" in w and not torch.equal(w["d2t"], self.vocab.d2t):
+            raise BadInput(f"warm_start {self.cfg.warm_start} has another draft vocabulary than {self.cfg.vocab_dir}; "
+                           "train from scratch or reuse its vocab")
+        own = draft.trainable_state_dict()
+        bad = [k for k in own if k not in w or w[k].shape != own[k].shape]
+        if bad:
+            raise BadInput(f"warm_start {self.cfg.warm_start} does not fit this draft's shapes ({bad[:4]})")
+        draft.load_state_dict({k: w[k].float() for k in own}, strict=False)
+        log(f"train: warm start from {self.cfg.warm_start}")
 
     def _lr_factor(self, s: int) -> float:
         w = self.cfg.warmup_steps
@@ -257,6 +280,13 @@ def resolve_inputs(cfg: TrainConfig):
     return capture, vocab, dcfg, target
 
 
+def _loss_points(history: list[dict], most: int = 256) -> list[list[float]]:
+    """[step, loss] pairs for a plot: every step, or an even subsample ending at the last."""
+    every = max(1, math.ceil(len(history) / most))
+    keep = history[::every] + ([history[-1]] if (len(history) - 1) % every else [])
+    return [[r["step"], round(r["loss"], 6)] for r in keep]
+
+
 def _fingerprint(capture_dir: str) -> str:
     m = json.loads((Path(capture_dir) / "manifest.json").read_text())
     return str(m.get("fingerprint") or m.get("capture", {}).get("fingerprint") or m.get("code_hash") or "")
@@ -296,7 +326,8 @@ def train(cfg: TrainConfig) -> dict | None:
         figures=figures,
         train={"weights": "model.safetensors", "draft_config": "draft_config.json", "loss_curve": "loss.jsonl",
                "layer_ids": list(trainer.capture.layer_ids), "target": str(trainer.target),
-               "capture_dir": cfg.capture_dir, "vocab_dir": cfg.vocab_dir, "data_fingerprint": _fingerprint(cfg.capture_dir)},
+               "capture_dir": cfg.capture_dir, "vocab_dir": cfg.vocab_dir, "data_fingerprint": _fingerprint(cfg.capture_dir),
+               "loss_points": _loss_points(trainer.history)},
     )
     dist.close()
     return m

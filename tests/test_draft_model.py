@@ -185,3 +185,23 @@ def test_config_from_a_target_config_and_its_errors():
     with pytest.raises(ValueError, match="yarn"):
         DraftConfig.from_target_config({**target, "rope_scaling": {"rope_type": "yarn", "factor": 4}},
                                        draft_vocab_size=100, aux_layer_ids=[1])
+
+
+def test_training_benchmark_runs_on_the_cpu(tmp_path):
+    """bench/train_bench.py at a tiny shape: the same step code the GPU figures come from."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "train_bench.py"
+    spec = importlib.util.spec_from_file_location("train_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "r.jsonl"
+    assert bench.main(["--shape", "tiny", "--ttt", "2", "--tokens", "128", "--doc-len", "50", "--steps", "1",
+                       "--warmup", "0", "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["finite"] and rec["tokens_per_s"] > 0 and rec["tflops_per_step"] >= 0
+    # the stated FLOP count grows with the TTT steps: 6N per step plus attention
+    c = bench.draft_config("llama8b")
+    assert bench.step_flops(c, 8192, 2048, 7) > 2 * bench.step_flops(c, 8192, 2048, 3)

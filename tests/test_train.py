@@ -188,3 +188,21 @@ def test_mismatched_vocab_fails_before_launching_processes(inputs, tmp_path, cap
     cfg.write_text(json.dumps({**inputs, "vocab_dir": str(bad_vocab), "nproc_per_node": 2, "out_dir": str(tmp_path / "o")}))
     assert main(["--config", str(cfg)]) == EXIT_BAD_INPUT
     assert "covers 77 target ids" in capsys.readouterr().err
+
+
+def test_task_configs_and_loss_artifact():
+    """The Prefect tasks' pure parts: the remote config they build, the loss-curve markdown."""
+    from types import SimpleNamespace
+
+    from remote.step import load_config
+    from remote.train import TrainConfig
+    from tasks.train import DraftVocabInfo, loss_curve_markdown, train_config
+
+    params = SimpleNamespace(ttt_steps=7, epochs=1.5, lr=3e-4, batch_tokens=4096, nproc_per_node=8,
+                             checkpoint_every=200, warm_start="")
+    cfg = train_config("/r/train", SimpleNamespace(model="/m"), SimpleNamespace(path="/r/capture"),
+                       DraftVocabInfo(path="/r/vocab", draft_vocab_size=10, coverage=0.9), params)
+    t = load_config(TrainConfig, cfg)  # every key is one remote.train knows
+    assert (t.nproc_per_node, t.token_budget, t.epochs, t.target) == (8, 4096, 1.5, "/m")
+    md = loss_curve_markdown([[1, 3.0], [2, 2.5], [3, 2.0]], {"steps": 3, "final_loss": 2.0, "final_acc": [0.5, 0.25]})
+    assert "<svg" in md and "<polyline" in md and "| top-1 agreement | 0.500 | 0.250 |" in md

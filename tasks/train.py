@@ -1,0 +1,109 @@
+"""Prefect tasks of the draft steps: vocabulary, training, export, run on the host.
+
+    vocab = build_vocab(ctx, target, dataset, train_params)          # -> DraftVocabInfo(path, size, coverage)
+    trained = train_draft(ctx, target, captured, vocab, train_params) # -> TrainedDraft(path, figures)
+    draft = export_draft(ctx, target, captured, vocab, trained, dataset)  # -> ExportedDraft(path, ...)
+
+Thin, like every step task: build the remote step's config (the *_config functions, tested
+directly), run it through the host (tasks.context.RunContext.run_step: log lines, progress,
+manifest), turn what came back into artifacts. Training runs `remote.train`, which itself starts
+torchrun when `nproc_per_node` > 1, so the task is the same for one GPU and eight. Its loss curve
+(in the train manifest) becomes an inline-SVG markdown artifact (no plotting library).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import get_run_logger
+from prefect.artifacts import create_markdown_artifact
+from pydantic import BaseModel
+
+from tasks.context import RunContext, step_task
+from tasks.evaluate import svg_line
+
+VOCAB_TIMEOUT_S = 3600  # a pass over data.parquet: minutes for millions of samples
+TRAIN_TIMEOUT_S = 48 * 3600  # a Kimi-K2.5 draft on a large capture trains for many hours
+EXPORT_TIMEOUT_S = 1800
+
+
+class DraftVocabInfo(BaseModel):
+    path: str  # the vocab step folder on the host (vocab.safetensors)
+    draft_vocab_size: int  # may be below the asked size when the data has fewer distinct tokens
+    coverage: float  # share of train loss tokens inside the draft vocabulary
+
+
+class TrainedDraft(BaseModel):
+    path: str  # the train step folder on the host
+    steps: int
+    figures: dict  # final_loss, final_acc (per TTT step), tokens_per_s, train_seconds
+
+
+class ExportedDraft(BaseModel):
+    path: str  # the vLLM eagle3 folder on the host
+    figures: dict
+
+
+def vocab_config(out_dir: str, target: Any, dataset: Any, params: Any) -> dict:
+    return {"data": dataset.out_dir, "target": target.model, "draft_vocab_size": params.draft_vocab_size,
+            "out_dir": out_dir}
+
+
+def train_config(out_dir: str, target: Any, captured: Any, vocab: DraftVocabInfo, params: Any) -> dict:
+    """remote.train's config from the flow's TrainParams."""
+    return {"capture_dir": captured.path, "vocab_dir": vocab.path, "target": target.model, "out_dir": out_dir,
+            "ttt_steps": params.ttt_steps, "epochs": params.epochs, "lr": params.lr,
+            "token_budget": params.batch_tokens, "nproc_per_node": params.nproc_per_node,
+            "checkpoint_every": params.checkpoint_every, "warm_start": params.warm_start}
+
+
+def export_config(out_dir: str, trained: TrainedDraft, vocab: DraftVocabInfo) -> dict:
+    return {"train_dir": trained.path, "vocab_dir": vocab.path, "out_dir": out_dir}
+
+
+def loss_curve_markdown(points: list[list[float]], figures: dict) -> str:
+    """The training run as markdown: loss curve (inline SVG) and the final per-step accuracy."""
+    acc = figures.get("final_acc") or []
+    lines = ["# Draft training", "",
+             f"{figures.get('steps', len(points))} steps, final loss {figures.get('final_loss', float('nan')):.4f}, "
+             f"{figures.get('tokens_per_s', 0):.0f} tokens/s", ""]
+    if len(points) >= 2:
+        lines += [svg_line(points, "step", "loss"), ""]
+    if acc:
+        lines += ["| TTT step | " + " | ".join(str(i + 1) for i in range(len(acc))) + " |",
+                  "|---|" + "---|" * len(acc),
+                  "| top-1 agreement | " + " | ".join(f"{a:.3f}" for a in acc) + " |", ""]
+    return "\n".join(lines)
+
+
+@step_task(name="build-vocab")
+def build_vocab(ctx: RunContext, target: Any, dataset: Any, params: Any) -> DraftVocabInfo:
+    out_dir = ctx.step_dir("vocab")
+    m = ctx.run_step("vocab", vocab_config(out_dir, target, dataset, params), timeout=VOCAB_TIMEOUT_S,
+                     title="Draft vocabulary")
+    n, cov = m["vocab"]["draft_vocab_size"], m["figures"]["coverage"]
+    create_markdown_artifact(key="draft-vocab", markdown=(
+        f"# Draft vocabulary\n\n{n} of {m['vocab']['target_vocab_size']} target tokens "
+        f"(asked for {m['counts']['requested_draft_vocab_size']}); they cover {cov:.1%} of the "
+        f"{m['counts']['train_loss_tokens']} train loss tokens.\n"))
+    get_run_logger().info("draft vocabulary: %d tokens, coverage %.3f", n, cov)
+    return DraftVocabInfo(path=out_dir, draft_vocab_size=n, coverage=cov)
+
+
+@step_task(name="train-draft")
+def train_draft(ctx: RunContext, target: Any, captured: Any, vocab: DraftVocabInfo, params: Any) -> TrainedDraft:
+    out_dir = ctx.step_dir("train")
+    m = ctx.run_step("train", train_config(out_dir, target, captured, vocab, params), timeout=TRAIN_TIMEOUT_S,
+                     title="Draft training")
+    # the manifest's curve, not the streamed events: those of a resumed or skipped run are partial or none
+    create_markdown_artifact(key="draft-training", markdown=loss_curve_markdown(m["train"]["loss_points"], m["figures"]))
+    return TrainedDraft(path=out_dir, steps=m["counts"]["steps"], figures=m["figures"])
+
+
+@step_task(name="export-draft")
+def export_draft(ctx: RunContext, target: Any, captured: Any, vocab: DraftVocabInfo, trained: TrainedDraft,
+                 dataset: Any) -> ExportedDraft:
+    out_dir = ctx.step_dir("export")
+    m = ctx.run_step("export", export_config(out_dir, trained, vocab), timeout=EXPORT_TIMEOUT_S, title="Export")
+    get_run_logger().info("exported the draft for vLLM (eagle3) to %s (target %s, data %s)", out_dir, target.model,
+                          getattr(dataset, "fingerprint", ""))
+    return ExportedDraft(path=out_dir, figures=m["figures"])
