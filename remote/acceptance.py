@@ -5,6 +5,7 @@
     counts.conditional_accuracy      # [K]: P(step k right | steps < k right)
     counts.prefix_rate               # [K]: P(steps 0..k all right): what vLLM's per-position counter measures
     counts.acceptance_length(3)      # expected tokens per target forward with 3 speculative tokens
+    greedy_walk(leading_right(...), turn_spans(mask, doc), k=3)  # (drafts, accepted) replaying decoding
 
 A draft proposes K tokens in a chain; the target keeps the longest prefix that matches its own
 greedy choice, plus one token of its own. So step k only matters where steps < k were right, and
@@ -66,8 +67,8 @@ class ChainCounts:
                 "prefix_rate": [round(float(x), 6) for x in self.prefix_rate]}
 
 
-def chain_counts(draft_top1: torch.Tensor, target_top1: torch.Tensor, valid: torch.Tensor | None = None) -> ChainCounts:
-    """Count a batch of chains. All [N, K]: the draft's and the target's top-1 token at each step."""
+def _chains(draft_top1: torch.Tensor, target_top1: torch.Tensor, valid: torch.Tensor | None):
+    """(known, right, alive) [N, K]; alive[n, k]: steps 0..k-1 of chain n were all right."""
     if draft_top1.shape != target_top1.shape or draft_top1.dim() != 2:
         raise ValueError(f"draft_top1 {tuple(draft_top1.shape)} and target_top1 {tuple(target_top1.shape)}: "
                          "expected the same [N, K] shape")
@@ -75,9 +76,55 @@ def chain_counts(draft_top1: torch.Tensor, target_top1: torch.Tensor, valid: tor
     if known.shape != draft_top1.shape:
         raise ValueError(f"valid {tuple(known.shape)}: expected {tuple(draft_top1.shape)}")
     right = (draft_top1 == target_top1) & known
-    # alive[n, k]: steps 0..k-1 of chain n were all right (every chain reaches step 0).
     alive = torch.cumprod(torch.cat([torch.ones_like(right[:, :1]), right[:, :-1]], 1).to(torch.int8), 1).bool()
+    return known, right, alive
+
+
+def chain_counts(draft_top1: torch.Tensor, target_top1: torch.Tensor, valid: torch.Tensor | None = None) -> ChainCounts:
+    """Count a batch of chains. All [N, K]: the draft's and the target's top-1 token at each step."""
+    known, right, alive = _chains(draft_top1, target_top1, valid)
     return ChainCounts((alive & known).sum(0).long(), (alive & right).sum(0).long())
+
+
+def leading_right(draft_top1: torch.Tensor, target_top1: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """[N] int64: how many guesses of the chain started at each row the target would accept."""
+    _, right, alive = _chains(draft_top1, target_top1, valid)
+    return (alive & right).sum(1)
+
+
+def turn_spans(loss_mask: torch.Tensor, doc_ids: torch.Tensor) -> list[tuple[int, int]]:
+    """(first, last) row of every run of loss-masked rows inside one sample: the assistant's turns.
+    A turn that opens its sample (nothing before it to prompt with) is left out."""
+    m = loss_mask.bool()
+    same = torch.zeros_like(m)
+    same[1:] = doc_ids[1:] == doc_ids[:-1]  # row i continues the sample of row i-1
+    prev_in = torch.zeros_like(m)
+    prev_in[1:] = m[:-1] & same[1:]
+    next_in = torch.zeros_like(m)
+    next_in[:-1] = m[1:] & same[1:]
+    starts = (m & ~prev_in).nonzero().squeeze(1).tolist()
+    ends = (m & ~next_in).nonzero().squeeze(1).tolist()
+    return [(a, b) for a, b in zip(starts, ends) if bool(same[a])]
+
+
+def greedy_walk(lead: list[int], spans: list[tuple[int, int]], k: int) -> tuple[int, int]:
+    """(drafts, accepted) of greedy speculative decoding with k tokens replayed along known turns.
+
+    The target writes a turn's first token itself (prefill); then each step the draft guesses from
+    row t (it has read token t+1), the target keeps lead[t] of them (at most k, never past the
+    turn's end) and adds one of its own. When the text is the target's own greedy output this is
+    what vLLM counts (acceptance length = 1 + accepted / drafts); on other text it weights
+    positions the way decoding visits them, which the per-position average does not.
+    """
+    drafts = accepted = 0
+    for first, last in spans:
+        t = first - 1
+        while t + 1 < last:
+            a = min(lead[t], k, last - (t + 1))
+            drafts += 1
+            accepted += a
+            t += a + 1
+    return drafts, accepted
 
 
 def top1_target_ids(draft_logits: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from remote.acceptance import ChainCounts, chain_counts, top1_target_ids
+from remote.acceptance import ChainCounts, chain_counts, greedy_walk, leading_right, top1_target_ids, turn_spans
 
 V = 11  # target vocabulary of the hand-made logits
 
@@ -107,3 +107,32 @@ def test_bad_shapes_and_k_are_refused():
         chain_counts(torch.zeros(2, 3), torch.zeros(2, 4))
     with pytest.raises(ValueError, match="k=4"):
         ChainCounts.zeros(3).acceptance_length(4)
+
+
+def test_turns_are_the_loss_masked_runs_inside_each_sample():
+    mask = torch.tensor([0, 0, 1, 1, 0, 1, 1, 1, 0, 1, 1])
+    doc = torch.tensor([0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1])
+    # sample 0: turns at rows 2-3 and 5-7; sample 1's turn (rows 9-10) has a prompt row before it
+    assert turn_spans(mask, doc) == [(2, 3), (5, 7), (9, 10)]
+    # a turn at the very start of a sample has nothing to prompt with: left out
+    assert turn_spans(torch.tensor([1, 1, 0, 1, 1]), torch.tensor([0, 0, 0, 1, 1])) == []
+
+
+def test_replaying_greedy_decoding_counts_steps_the_way_vllm_does():
+    """One turn, rows 1..9 (the target writes row 1's token; drafting starts at row 0)."""
+    lead = [2, 0, 0, 3, 0, 0, 0, 1, 0, 0, 0]
+    # row 0: 2 accepted -> tokens 2,3 plus the target's 4th: next chain from row 3
+    # row 3: 3 accepted (k=3) -> next from row 7; row 7: 1 accepted -> row 9 = the turn's last: done
+    assert greedy_walk(lead, [(1, 9)], k=3) == (3, 6)
+    assert greedy_walk(lead, [(1, 9)], k=1) == (6, 3)  # at most k accepted a step
+    # never past the turn's end: from row 6 only token 8 is left to guess, so 1 of 3 counts
+    assert greedy_walk([0] * 6 + [3, 0, 0, 0], [(1, 8)], k=3) == (7, 1)
+    assert greedy_walk([0, 0, 0, 0], [(1, 3)], k=3) == (2, 0)
+
+
+def test_leading_right_is_the_accepted_prefix_of_each_chain():
+    target = torch.tensor([[1, 2, 3], [1, 2, 3], [1, 2, 3], [1, 2, 3]])
+    draft = torch.tensor([[1, 2, 3], [1, 9, 3], [9, 2, 3], [1, 2, 9]])
+    assert leading_right(draft, target).tolist() == [3, 1, 0, 2]
+    valid = torch.tensor([[True, False, True]] * 4)
+    assert leading_right(draft, target, valid).tolist() == [1, 1, 0, 1]
