@@ -164,6 +164,7 @@ class VllmCapture:
         self.max_model_len = cfg.max_model_len or max_len + 1
         self.llm = None
         self.startup_s = 0.0
+        self.layers_path = ""  # where the hooked decoder layers sit in vLLM's model (set by capture)
 
     def engine_kwargs(self, on_cpu: bool) -> dict:
         kw = dict(
@@ -235,7 +236,8 @@ class VllmCapture:
         from remote.capture_worker import parse_request_id, request_id
 
         hooked = self._rank0("eaglet_capture_begin", self.layer_ids)
-        log(f"hooked {hooked['layers']}: layers {hooked['hooked']} of {hooked['num_layers']}")
+        self.layers_path = hooked["layers"]
+        log(f"hooked .{hooked['layers']}: layers {hooked['hooked']} of {hooked['num_layers']}")
         by_index = {p.index: p for p in plans}
         recorded: set[int] = set()
         last_poll = [0.0]
@@ -339,7 +341,7 @@ def run(raw: dict) -> dict:
         todo_tokens = sum(p.tokens for p in plans)
         log(f"{len(samples)} samples: {len(cached)} already in {cache.folder}, "
             f"{len(samples) - len(cached)} to capture ({todo_tokens} tokens) into {len(plans)} shard(s)")
-        engine_s, detail, written = 0.0, {}, []
+        engine_s, detail, written, layers_path = 0.0, {}, [], ""
         prog = Progress(len(samples) - len(cached), todo_tokens)
         if plans:
             backend = make_backend(cfg, target, dtype, layer_ids, max_len)
@@ -348,6 +350,7 @@ def run(raw: dict) -> dict:
                 engine_s = backend.startup_s
                 prog = Progress(len(samples) - len(cached), todo_tokens)  # the clock starts with the engine up
                 detail = backend.capture(plans, lambda p: (cache.add(p), written.append(p.path)), prog)
+                layers_path = backend.layers_path
             finally:
                 backend.close()
         shards = cache.shards_for(samples)
@@ -369,7 +372,7 @@ def run(raw: dict) -> dict:
         "shards": shards, "shard_bytes": shard_bytes, "layer_ids": list(layer_ids),
         "hidden_size": target.hidden_size, "dtype": dtype, "target": str(Path(cfg.target).resolve()),
         "sample_ids": [s.sample_id for s in samples], "cache_dir": str(Path(shards[0]).parent), "cache_key": key,
-        "backend": cfg.backend, "num_layers": target.num_layers,
+        "backend": cfg.backend, "num_layers": target.num_layers, "layers_path": layers_path,
     })
     emit("figures", **figures)
     log(f"capture done: {counts['captured']} samples captured, {counts['reused']} reused, {len(shards)} shards")

@@ -29,6 +29,7 @@ class HfCapture:
         self.cfg, self.target, self.dtype, self.layer_ids = cfg, target, dtype, list(layer_ids)
         self.model = None
         self.startup_s = 0.0
+        self.layers_path = ""
         want = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         self.device = torch.device(want)
 
@@ -46,7 +47,7 @@ class HfCapture:
         if self.model is None:
             raise BadInput(f"transformers cannot load {self.cfg.target}: {'; '.join(errors)}")
         self.model.to(self.device).eval()
-        _, self.layers = find_decoder_layers(self.model)
+        self.layers_path, self.layers = find_decoder_layers(self.model)
         if len(self.layers) != self.target.num_layers:
             raise BadInput(f"{type(self.model).__name__} has {len(self.layers)} decoder layers, "
                            f"config.json says {self.target.num_layers}")

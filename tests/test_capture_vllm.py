@@ -70,19 +70,28 @@ class HfReference:
         return torch.cat([hs[i][0] for i in layer_ids], -1), self.last["h"][0], hs[-1][0]
 
 
-def assert_matches_hf(ref: HfReference, samples, got: dict, layer_ids, final_norm, atol: float = 1e-4) -> float:
+def assert_matches_hf(ref: HfReference, samples, got: dict, layer_ids, final_norm, atol: float = 1e-4,
+                      per_token_scale: bool = False) -> float:
+    """Every sample's states within |captured - HF| < atol; with per_token_scale, within atol times
+    max(1, the token's largest |HF| value) (for targets with huge activations). Returns the largest."""
     worst = 0.0
+
+    def excess(a, b):
+        scale = b.abs().amax(-1, keepdim=True).clamp(min=1.0) if per_token_scale else 1.0
+        return ((a - b).abs() / scale).max().item()
+
     for s in samples:
         c = got[s.sample_id]
         assert c.split == s.split and np.array_equal(c.input_ids.numpy(), s.input_ids)
         assert np.array_equal(c.loss_mask.numpy(), s.loss_mask)
         aux, last, post_norm = ref.states(s.input_ids, layer_ids)
         assert c.hidden_states.dtype == torch.float32 and c.hidden_states.shape == aux.shape
-        worst = max(worst, (c.hidden_states - aux).abs().max().item(), (c.last_hidden_state - last).abs().max().item())
+        worst = max(worst, excess(c.hidden_states, aux), excess(c.last_hidden_state, last))
         # the final state is the pre-norm one: the target's own norm turns it into HF's last hidden state
+        # (1e-3: the norm's weights magnify the rounding; a pre/post mix-up is off by O(1))
         with torch.no_grad():
-            assert torch.allclose(final_norm(c.last_hidden_state), post_norm, atol=atol)
-    assert worst < atol, f"max abs diff {worst}"
+            assert excess(final_norm(c.last_hidden_state), post_norm) < 1e-3
+    assert worst < atol, f"max {'scaled ' if per_token_scale else ''}abs diff {worst}"
     return worst
 
 
