@@ -39,7 +39,8 @@ class NightlyParams(_Params):
                       description="the nightly's name: its memory lives in <root>/nightly/<name>")
     margin: float = Field(0.05, ge=0, description="promote only when the metric beats the current draft's by more than this")
     metric: str = Field("acceptance_length", description="the evaluation figure compared (higher is better)")
-    warm_start: bool = Field(True, description="start training from the current draft (false: from scratch)")
+    warm_start: bool = Field(False, description="start training from the current draft (false: from scratch); "
+                             "the night's draft vocabulary must then equal the current draft's")
 
 
 class NightlyRunParams(TrainDraftParams):
