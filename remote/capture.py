@@ -58,6 +58,7 @@ class CaptureConfig:
     max_model_len: int = 0  # vLLM's context length; 0: the longest sample + 1
     cpu_kvcache_gib: int = 2  # KV cache per rank on a CPU host (VLLM_CPU_KVCACHE_SPACE), GiB
     device: str = "auto"  # transformers backend: "auto" (cuda when there is one), "cuda", "cpu"
+    trust_remote_code: bool = False  # let vLLM / transformers run the target's own code (its config classes)
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -175,7 +176,7 @@ class VllmCapture:
             enforce_eager=True,  # hooks added after vLLM compiled the model would be skipped silently
             enable_prefix_caching=False,  # a cached prefix is not computed, so it could not be captured
             language_model_only=True,  # text prompts: a multimodal target's encoders stay unloaded
-            skip_tokenizer_init=True, seed=0, disable_log_stats=True,
+            skip_tokenizer_init=True, seed=0, disable_log_stats=True, trust_remote_code=self.cfg.trust_remote_code,
         )
         if on_cpu and self.target.is_mla:
             # vLLM's CPU rotary kernel is wrong for MLA's 3-D query (FACTS.md); the native one is right

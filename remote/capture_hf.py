@@ -40,7 +40,8 @@ class HfCapture:
         errors = []
         for auto in ("AutoModelForCausalLM", "AutoModelForImageTextToText"):
             try:
-                self.model = getattr(transformers, auto).from_pretrained(self.cfg.target, dtype=getattr(torch, self.dtype))
+                self.model = getattr(transformers, auto).from_pretrained(
+                    self.cfg.target, dtype=getattr(torch, self.dtype), trust_remote_code=self.cfg.trust_remote_code)
                 break
             except (ValueError, KeyError) as e:  # this auto class does not know the architecture
                 errors.append(f"{auto}: {e}")

@@ -48,6 +48,7 @@ class PatchWorkerConfig:
     layer_ids: list[int] | None = None  # the aux layers the capture will hook; None: (2, N//2, N-3)
     gpu_memory_utilization: float = 0.85  # share of each GPU vLLM will take
     cpu_kvcache_gib: int = 2  # KV cache per rank on a CPU host, GiB
+    trust_remote_code: bool = False  # let vLLM run the target's own config code
 
     def __post_init__(self):
         if self.tensor_parallel_size < 1:
@@ -219,7 +220,7 @@ def probe(cfg: PatchWorkerConfig) -> dict:
         problems.append(f"the extension does not import in the workers' Python: {type(e).__name__}: {e}")
         return out
     try:
-        model = _meta_model(cfg.target)
+        model = _meta_model(cfg.target, cfg.trust_remote_code)
     except Exception as e:  # noqa: BLE001
         problems.append(f"vLLM could not build {cfg.target} on the meta device: {type(e).__name__}: {e}")
         return out
@@ -234,7 +235,7 @@ def probe(cfg: PatchWorkerConfig) -> dict:
     return out
 
 
-def _meta_model(target: str):
+def _meta_model(target: str, trust_remote_code: bool = False):
     """The target's vLLM model class instantiated on the meta device: its module tree, no weights."""
     import torch
     from vllm.config import set_current_vllm_config
@@ -243,7 +244,7 @@ def _meta_model(target: str):
     from vllm.model_executor.model_loader.utils import get_model_architecture
 
     vcfg = EngineArgs(model=target, enforce_eager=True, skip_tokenizer_init=True, language_model_only=True,
-                      max_model_len=256).create_engine_config()
+                      max_model_len=256, trust_remote_code=trust_remote_code).create_engine_config()
     with socket.socket() as s:  # a free port for the one-process gloo group the parallel layers need
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -271,10 +272,12 @@ def vllm_version() -> str:
 
 
 def run(raw: dict) -> dict:
-    from remote.layers import TargetConfig
+    from remote.layers import TargetConfig, check_layer_ids
 
     cfg = load_config(PatchWorkerConfig, raw, where="patch_worker config")
     target = TargetConfig.read(cfg.target)
+    if cfg.layer_ids is not None:  # what config.json alone can refuse is refused before the probe
+        check_layer_ids(cfg.layer_ids, target.num_layers)
     out = StepOutput(cfg.out_dir, STEP, dataclasses.asdict(cfg))
     version = vllm_version()
     report = check_devices(cfg.tensor_parallel_size, cfg.gpu_memory_utilization, cfg.cpu_kvcache_gib,
@@ -287,6 +290,9 @@ def run(raw: dict) -> dict:
     view = worker_view(cfg)
     if view["problems"]:
         raise BadInput("; ".join(view["problems"]))
+    if view["num_layers"] != target.num_layers:
+        raise BadInput(f"vLLM's {view['model_class']} has {view['num_layers']} decoder layers at .{view['layers_path']}, "
+                       f"config.json says {target.num_layers}: the capture would hook the wrong layers")
     log(f"vLLM {version}: {view['model_class']} has {view['num_layers']} decoder layers at .{view['layers_path']}; "
         f"capture hooks layers for ids {view['layer_ids']}; extension {view['extension']}")
     out.open()

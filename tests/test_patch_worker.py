@@ -30,25 +30,41 @@ def run_step(tmp: Path, name: str, config: dict) -> tuple[int, str]:
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_patch_worker_on_the_tiny_kimi(tiny_kimi, tmp_path):
-    out = tmp_path / "patch"
-    config = {"target": str(tiny_kimi.vllm_dir), "out_dir": str(out), "layer_ids": [1, 2, 3]}
-    code, log = run_step(tmp_path, "ok", config)
-    assert code == 0, log[-3000:]
+def test_the_task_patches_the_tiny_kimi_on_a_local_host(prefect_harness, tiny_kimi, tmp_path):
+    """tasks.capture.patch_worker through a real local host (a subprocess) and the Prefect harness."""
+    from prefect import flow
+
+    from flows.params import CaptureParams, TargetParams
+    from tasks.capture import patch_worker
+    from tasks.context import RunContext
+    from tasks.errors import BadInputError
+    from tasks.hosts import HostParams, open_host
+    from tasks.ship import ship_code
+
+    params = HostParams(root=str(tmp_path / "root"))
+    with open_host(params) as host:
+        code = ship_code(host)
+
+    @flow
+    def patch(run_name: str, layer_ids: list[int]):
+        ctx = RunContext(host=params, code=code, run_name=run_name)
+        return patch_worker(ctx, TargetParams(model=str(tiny_kimi.vllm_dir)), CaptureParams(layer_ids=layer_ids))
+
+    ready = patch("r1", [1, 2, 3])
+    assert ready.model_class == "KimiK25ForConditionalGeneration" and ready.layers_path == "language_model.model.layers"
+    assert ready.num_layers == 4 and ready.layer_ids == [1, 2, 3] and ready.vllm.startswith("0.32")
+    out = Path(code.root) / "runs" / "r1" / "patch_worker"
     m = json.loads((out / "manifest.json").read_text())
-    assert m["model_class"] == "KimiK25ForConditionalGeneration" and m["layers_path"] == "language_model.model.layers"
-    assert m["num_layers"] == 4 and m["layer_ids"] == [1, 2, 3] and m["device_kind"] == "cpu"
-    assert m["vllm"].startswith("0.32") and m["extension"] == "remote.capture_worker.CaptureWorkerExtension"
-    assert Path(m["extension_file"]).resolve() == (REPO / "remote" / "capture_worker.py").resolve()
+    assert m["extension"] == "remote.capture_worker.CaptureWorkerExtension" and m["device_kind"] == "cpu"
+    assert Path(m["extension_file"]).resolve() == (Path(code.path) / "remote" / "capture_worker.py").resolve()
 
-    code, log = run_step(tmp_path, "again", config)  # idempotent: the devices again, not the probe
-    assert code == 0 and "nothing to do" in log
-    assert json.loads((out / "manifest.json").read_text()) == m
+    code_again, log = run_step(tmp_path, "again", m["config"])  # idempotent: the devices again, not the probe
+    assert code_again == 0 and "nothing to do" in log and json.loads((out / "manifest.json").read_text()) == m
 
-    bad = {**config, "out_dir": str(tmp_path / "bad"), "layer_ids": [1, 7]}
-    code, log = run_step(tmp_path, "bad", bad)
-    assert code == EXIT_BAD_INPUT and "layer_ids [1, 7]: need distinct HF hidden-state indices in 1..3" in log
-    assert not (tmp_path / "bad").exists() and not (tmp_path / "bad.partial").exists()
+    failed = patch("r2", [1, 7], return_state=True)
+    with pytest.raises(BadInputError, match=r"layer_ids \[1, 7\]: need distinct HF hidden-state indices in 1..3"):
+        failed.result()
+    assert not (Path(code.root) / "runs" / "r2" / "patch_worker").exists()
 
 
 @pytest.mark.vllm

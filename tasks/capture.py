@@ -1,0 +1,114 @@
+"""Prefect tasks of the capture: make the host's vLLM ready, then capture the target's hidden states.
+
+    ready = patch_worker(ctx, target, capture)                        # -> WorkerReady (None: transformers)
+    captured = capture_hidden_states(ctx, target, dataset, capture)   # -> CapturedStates(path, shards, ...)
+
+Both are thin: build the step's config from the flow's parameters, run `remote.patch_worker` /
+`remote.capture` through the host (tasks.remote_step: the log streams into the run log, progress
+events into a progress artifact), and return paths and figures, never tensors. The capture's
+figures (tokens, bytes, bytes per token, tokens/s, wall time) become a table artifact of the run.
+The shards live in the host's cache (<root>/cache/captures/<key>/): a retry or the next night's run
+captures only what the cache lacks.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from prefect import get_run_logger
+from prefect.artifacts import create_table_artifact
+from pydantic import BaseModel
+
+from tasks.context import RunContext, step_task
+
+PATCH_TIMEOUT_S = 1800  # a 1T-parameter model built on the meta device takes minutes, not hours
+CAPTURE_TIMEOUT_S = 24 * 3600  # the long step: ~10k conversations take minutes; millions take many hours
+
+
+class WorkerReady(BaseModel):
+    """What patch_worker verified on the host."""
+
+    vllm: str
+    model_class: str
+    layers_path: str  # where the capture hooks the decoder layers, e.g. "language_model.model.layers"
+    num_layers: int
+    layer_ids: list[int]
+    devices: str
+
+
+class CapturedStates(BaseModel):
+    """A finished capture on the host: `CaptureSet.from_manifest(path)` reads it there."""
+
+    path: str  # the capture step's folder (its manifest lists the shards)
+    cache_dir: str  # where the shards are
+    shards: list[str]
+    layer_ids: list[int]
+    hidden_size: int
+    dtype: str
+    samples: int
+    captured: int  # samples captured by this run (the others came from the cache)
+    reused: int
+    tokens: int  # tokens of all the samples
+    figures: dict
+
+
+def _shared(target: Any, capture: Any) -> dict:
+    return {"target": target.model, "tensor_parallel_size": capture.tensor_parallel_size,
+            "layer_ids": capture.layer_ids, "gpu_memory_utilization": capture.gpu_memory_utilization,
+            "trust_remote_code": bool(getattr(target, "trust_remote_code", False))}
+
+
+def patch_config(out_dir: str, target: Any, capture: Any) -> dict:
+    """The remote config of remote.patch_worker from the flow's TargetParams and CaptureParams."""
+    return {**_shared(target, capture), "out_dir": out_dir}
+
+
+def capture_config(ctx: RunContext, dataset: Any, target: Any, capture: Any) -> dict:
+    """The remote config of remote.capture from the flow's parameters and the prepared dataset."""
+    return {**_shared(target, capture), "dataset": dataset.path, "out_dir": ctx.step_dir("capture"),
+            "cache_root": ctx.cache_root, "target_revision": target.revision, "backend": capture.backend,
+            "samples_per_shard": capture.samples_per_shard, "max_num_seqs": capture.max_num_seqs}
+
+
+def figures_table(manifest: dict) -> list[dict]:
+    """The capture's counts and figures as rows of a table artifact."""
+    c, f = manifest["counts"], manifest["figures"]
+    rows = [("samples", c["samples"]), ("captured now", c["captured"]), ("reused from the cache", c["reused"]),
+            ("shards", c["shards"]), ("shards written now", c["shards_written"]),
+            ("tokens captured", f["tokens"]), ("bytes written", f["bytes"]), ("bytes per token", f["bytes_per_token"]),
+            ("bytes per token, bound", f["bytes_per_token_bound"]), ("tokens per second", f["tokens_per_s"]),
+            ("capture seconds", f["capture_seconds"]), ("engine start seconds", f["engine_start_seconds"]),
+            ("wall seconds", f["seconds"])]
+    return [{"figure": name, "value": value} for name, value in rows]
+
+
+@step_task(name="patch-worker")
+def patch_worker(ctx: RunContext, target: Any, capture: Any) -> Optional[WorkerReady]:
+    """Check the host's vLLM, the capture extension and the target's layers, and the free devices."""
+    if capture.backend != "vllm":
+        get_run_logger().info("capture backend %s: no vLLM worker to patch", capture.backend)
+        return None
+    m = ctx.run_step("patch_worker", patch_config(ctx.step_dir("patch_worker"), target, capture),
+                     timeout=PATCH_TIMEOUT_S, title="Checking the capture worker")
+    ready = WorkerReady(vllm=m["vllm"], model_class=m["model_class"], layers_path=m["layers_path"],
+                        num_layers=m["num_layers"], layer_ids=m["layer_ids"], devices=m["devices"])
+    get_run_logger().info("vLLM %s ready: %s, %d layers at .%s, aux layers %s; %s", ready.vllm, ready.model_class,
+                          ready.num_layers, ready.layers_path, ready.layer_ids, ready.devices)
+    return ready
+
+
+@step_task(name="capture-hidden-states")
+def capture_hidden_states(ctx: RunContext, target: Any, dataset: Any, capture: Any) -> CapturedStates:
+    """Capture the target's hidden states on the prepared data (a retry resumes at the first missing shard)."""
+    m = ctx.run_step("capture", capture_config(ctx, dataset, target, capture), timeout=CAPTURE_TIMEOUT_S,
+                     title="Capturing hidden states")
+    c, f, cap = m["counts"], m["figures"], m["capture"]
+    create_table_artifact(key="capture-figures", table=figures_table(m),
+                          description=f"capture: {c['captured']} samples captured, {c['reused']} reused, "
+                                      f"{f['tokens_per_s'] or 0} tokens/s")
+    get_run_logger().info("captured %d samples (%d reused) into %d shards in %s; %s tokens/s, %s bytes/token",
+                          c["captured"], c["reused"], c["shards"], cap["cache_dir"], f["tokens_per_s"],
+                          f["bytes_per_token"])
+    return CapturedStates(path=ctx.step_dir("capture"), cache_dir=cap["cache_dir"], shards=cap["shards"],
+                          layer_ids=cap["layer_ids"], hidden_size=cap["hidden_size"], dtype=cap["dtype"],
+                          samples=c["samples"], captured=c["captured"], reused=c["reused"], tokens=c["tokens"],
+                          figures=f)
