@@ -11,13 +11,14 @@ target's top-1 (from the captured final state through the target's norm and lm_h
 math is remote.acceptance. Two offline figures come of it: the expected acceptance length from
 the per-step conditional accuracies (every position a chain start), and the "replayed" one, which
 walks each assistant turn the way greedy decoding does (a chain starts where the last one ended);
-on text the target wrote itself the replayed one is what vLLM counts. Online: remote.online_eval (vLLM's own counters). The draft is checked
-against the target before either starts, so a draft for another model is a BadInput.
+on text the target wrote itself the replayed one is what vLLM counts. Online: remote.online_eval
+(vLLM's own counters). The draft is checked against the target before either starts, so a draft
+for another model is a BadInput.
 
 Writes out_dir/evaluation.json: offline and online results, the training loss curve and the
 draft's provenance (vocabulary coverage, data fingerprint); the manifest's figures are the flat
 summary a flow returns and a promotion compares (`acceptance_length`: online when measured,
-else the offline estimate).
+else the replayed offline one).
 """
 from __future__ import annotations
 
@@ -229,8 +230,11 @@ def figures_of(result: dict) -> dict:
                  offline_conditional_accuracy=off["conditional_accuracy"], heldout_coverage=off["heldout_coverage"])
     if on:
         f.update({f"online_{k}" if k == "acceptance_length" else k: v for k, v in summary(on).items()})
-    f["acceptance_length"] = f.get("online_acceptance_length", f.get("offline_acceptance_length"))
-    f["acceptance_length_source"] = "online" if on else "offline"
+    # Without vLLM the replayed figure stands in: it counts the way decoding does (the per-position
+    # estimate weights easy stretches more than decoding visits them, so it runs high).
+    offline_best = f.get("offline_replayed_acceptance_length") or f.get("offline_acceptance_length")
+    f["acceptance_length"] = f["online_acceptance_length"] if on else offline_best
+    f["acceptance_length_source"] = "online" if on else "offline, replayed"
     prov = result["provenance"]
     for key in ("coverage", "draft_vocab_size", "data_fingerprint"):
         if prov.get(key) is not None:
@@ -257,6 +261,8 @@ def run(raw: dict) -> dict:
         log(f"evaluate: offline acceptance length {off['acceptance_length']:.3f} at k={off['k']} "
             f"over {off['tokens']} held-out tokens, {off['seconds']:.1f} s")
     if online_cfg is not None:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the offline model's blocks back to the GPU, for vLLM's share
         result["online"] = measure_online(online_cfg)
         log(f"evaluate: online acceptance length {summary(result['online'])['acceptance_length']} "
             f"in {result['online']['seconds']:.1f} s")

@@ -6,12 +6,13 @@
 The step (remote/evaluate.py) does the measuring; this side builds its config, reads what it wrote
 and makes three things of it: a markdown artifact `draft-evaluation` (target, data fingerprint,
 vocabulary coverage, training loss, offline and online acceptance, speed-up, the baselines and the
-previously published draft, with the loss curve and acceptance per position as inline SVG), and a
+previously published draft, with the loss curve and acceptance per position as SVG images), and a
 table artifact `acceptance-per-position`. The previously published draft (drafts/current) is
 measured on the same prompts in the same run when it fits the target.
 """
 from __future__ import annotations
 
+import base64
 import json
 import posixpath
 from typing import Any
@@ -105,7 +106,7 @@ def report_markdown(evaluation: dict, figures: dict, context: dict, previous: Cu
     prov, off, on = evaluation["provenance"], evaluation.get("offline"), evaluation.get("online")
     tf = prov.get("train_figures", {})
     out = [f"# Draft evaluation: {context['run']}", "",
-           "| | |", "|---|---|",
+           "| | value |", "|---|---|",
            f"| target | `{context['target']}` |",
            f"| draft | `{prov['draft_dir']}` |",
            f"| data fingerprint | `{context.get('data_fingerprint') or prov.get('data_fingerprint') or 'n/a'}` |",
@@ -139,10 +140,11 @@ def report_markdown(evaluation: dict, figures: dict, context: dict, previous: Cu
                 + f"; this draft: {_num(figures.get('acceptance_length'))}.", ""]
     curve = prov.get("loss_curve") or []
     if curve:
-        out += ["## Training loss", "", svg_line(curve, "step", "loss"), ""]
+        out += ["## Training loss", "", markdown_image(svg_line(curve, "step", "loss"), "training loss"), ""]
     series = position_series(evaluation)
     if series:
-        out += ["## Acceptance per position", "", svg_bars(series, "speculative position", "accepted share"), ""]
+        out += ["## Acceptance per position", "",
+                markdown_image(svg_bars(series, "speculative position", "accepted share"), "acceptance per position"), ""]
     return "\n".join(out)
 
 
@@ -175,16 +177,22 @@ def _round(values: list[float], i: int):
     return round(values[i], 4) if i < len(values) else None
 
 
-# ----------------------------------------------------------------------------- inline SVG plots
+# ----------------------------------------------------------------------------- SVG plots
 W, H, PAD = 520, 240, 44
 COLORS = ("#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2")
 
 
-def _frame(xlabel: str, ylabel: str, ymax: float, body: list[str]) -> str:
+def markdown_image(svg: str, alt: str) -> str:
+    """An SVG as a markdown image (a data URI): the Prefect UI strips the shapes of inline <svg>
+    from a markdown artifact but draws an image (seen in headless Chromium, Prefect 3.9)."""
+    return f"![{alt}](data:image/svg+xml;base64,{base64.b64encode(svg.encode()).decode()})"
+
+
+def _frame(xlabel: str, ylabel: str, ymin: float, ymax: float, body: list[str]) -> str:
     ticks = [f'<text x="{PAD - 6}" y="{H - PAD - (H - 2 * PAD) * f + 4:.1f}" font-size="10" text-anchor="end">'
-             f'{ymax * f:.3g}</text>' for f in (0, 0.5, 1)]
+             f'{ymin + (ymax - ymin) * f:.4g}</text>' for f in (0, 0.5, 1)]
     return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" '
-            f'font-family="sans-serif">'
+            f'font-family="sans-serif"><rect width="{W}" height="{H}" fill="white"/>'  # the UI's dark theme
             f'<line x1="{PAD}" y1="{H - PAD}" x2="{W - PAD}" y2="{H - PAD}" stroke="#444"/>'
             f'<line x1="{PAD}" y1="{PAD / 2}" x2="{PAD}" y2="{H - PAD}" stroke="#444"/>' + "".join(ticks) + "".join(body)
             + f'<text x="{W / 2}" y="{H - 8}" font-size="11" text-anchor="middle">{xlabel}</text>'
@@ -193,16 +201,18 @@ def _frame(xlabel: str, ylabel: str, ymax: float, body: list[str]) -> str:
 
 
 def svg_line(points: list[list[float]], xlabel: str, ylabel: str) -> str:
-    """A line plot of (x, y) points, y from 0."""
+    """A line plot of (x, y) points, the y axis spanning their range (a soft-CE loss sits far above 0)."""
     xs, ys = [p[0] for p in points], [p[1] for p in points]
-    x0, x1, ymax = min(xs), max(xs), max(max(ys), 1e-9)
+    x0, x1 = min(xs), max(xs)
+    pad = (max(ys) - min(ys)) * 0.05 or abs(max(ys)) * 0.05 or 1.0
+    ymin, ymax = min(ys) - pad, max(ys) + pad
     sx = lambda x: PAD + (W - 2 * PAD) * ((x - x0) / (x1 - x0) if x1 > x0 else 0.5)  # noqa: E731
-    sy = lambda y: H - PAD - (H - 2 * PAD) * y / ymax  # noqa: E731
+    sy = lambda y: H - PAD - (H - 2 * PAD) * (y - ymin) / (ymax - ymin)  # noqa: E731
     path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in zip(xs, ys))
     body = [f'<polyline fill="none" stroke="{COLORS[0]}" stroke-width="2" points="{path}"/>',
             f'<text x="{PAD}" y="{H - PAD + 14}" font-size="10">{x0:g}</text>',
             f'<text x="{W - PAD}" y="{H - PAD + 14}" font-size="10" text-anchor="end">{x1:g}</text>']
-    return _frame(xlabel, ylabel, ymax, body)
+    return _frame(xlabel, ylabel, ymin, ymax, body)
 
 
 def svg_bars(series: dict[str, list[float]], xlabel: str, ylabel: str) -> str:
@@ -223,4 +233,4 @@ def svg_bars(series: dict[str, list[float]], xlabel: str, ylabel: str) -> str:
     for i in range(n):
         body.append(f'<text x="{PAD + (i + 0.5) * group:.1f}" y="{H - PAD + 14}" font-size="10" '
                     f'text-anchor="middle">{i + 1}</text>')
-    return _frame(xlabel, ylabel, 1.0, body)
+    return _frame(xlabel, ylabel, 0.0, 1.0, body)
