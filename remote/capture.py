@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -234,7 +235,7 @@ class VllmCapture:
 
     def capture(self, plans: Sequence[ShardPlan], on_written: OnWritten, prog: Progress) -> dict:
         """Capture the planned shards; on_written(plan) after each shard is whole on disk."""
-        from remote.capture_worker import parse_request_id, request_id
+        from remote.capture_worker import DISK_FULL, parse_request_id, request_id
 
         hooked = self._rank0("eaglet_capture_begin", self.layer_ids)
         self.layers_path = hooked["layers"]
@@ -244,8 +245,9 @@ class VllmCapture:
         last_poll = [0.0]
 
         def collect(status: dict) -> None:
-            if status["error"]:
-                raise RuntimeError(f"capture worker: {status['error']}")
+            if status["error"]:  # a full disk is bad input (retrying cannot help); anything else a fault
+                raise (BadInput if status["error"].startswith(DISK_FULL) else RuntimeError)(
+                    f"capture worker: {status['error']}")
             for index in status["written"]:
                 if index not in recorded:
                     recorded.add(index)
@@ -300,6 +302,13 @@ def resolve_dtype(cfg: CaptureConfig, target: TargetConfig) -> str:
     return dtype
 
 
+def check_disk(folder: Path, need: int) -> None:
+    """Refuse to start hours of capture that the disk cannot hold (10% and 1 GiB to spare)."""
+    free = shutil.disk_usage(folder).free
+    if need * 1.1 + 2**30 > free:
+        raise BadInput(f"the capture needs about {need / 2**30:.1f} GiB in {folder}; {free / 2**30:.1f} GiB is free")
+
+
 def make_backend(cfg: CaptureConfig, target: TargetConfig, dtype: str, layer_ids: Sequence[int], max_len: int):
     if cfg.backend == "vllm":
         return VllmCapture(cfg, target, dtype, layer_ids, max_len)
@@ -342,6 +351,7 @@ def run(raw: dict) -> dict:
         todo_tokens = sum(p.tokens for p in plans)
         log(f"{len(samples)} samples: {len(cached)} already in {cache.folder}, "
             f"{len(samples) - len(cached)} to capture ({todo_tokens} tokens) into {len(plans)} shard(s)")
+        check_disk(cache.folder, todo_tokens * bytes_per_token)
         engine_s, detail, written, layers_path = 0.0, {}, [], ""
         prog = Progress(len(samples) - len(cached), todo_tokens)
         if plans:

@@ -11,6 +11,7 @@ pre-norm state from a hook on the last decoder layer (HF's last hidden state has
 """
 from __future__ import annotations
 
+import errno
 import time
 from typing import Sequence
 
@@ -98,6 +99,11 @@ class HfCapture:
                                           torch.from_numpy(s.loss_mask), aux, last))
                 passes += 1
                 prog.add(len(pack), sum(int(s.input_ids.size) for s in pack))
-            write_shard(plan.path, samples, self.layer_ids)
+            try:
+                write_shard(plan.path, samples, self.layer_ids)
+            except OSError as e:
+                if e.errno == errno.ENOSPC:  # a full disk is bad input: retrying cannot help
+                    raise BadInput(f"disk full writing shard {plan.path}: {e}") from e
+                raise
             on_written(plan)
         return {"passes": passes}

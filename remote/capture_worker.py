@@ -26,6 +26,7 @@ remote.capture drives it; this module needs vLLM only inside the worker. Why it 
 """
 from __future__ import annotations
 
+import errno
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from remote.layers import find_decoder_layers, hooked_layer
 
 REQUEST_PREFIX = "eaglet"
 WRITE_QUEUE = 2  # finished shards waiting for the disk; more would only hold more memory
+DISK_FULL = "disk full writing"  # how a writer error caused by a full disk starts
 
 
 def request_id(shard: int, slot: int) -> str:
@@ -177,7 +179,8 @@ class Recorder:
                 write_shard(shard.path, shard.samples(), self.layer_ids)
                 self.written.append(shard.index)
             except Exception as e:  # noqa: BLE001 - reported to the driver through status()
-                self.error = f"writing shard {shard.path}: {type(e).__name__}: {e}"
+                full = isinstance(e, OSError) and e.errno == errno.ENOSPC
+                self.error = f"{DISK_FULL if full else 'writing'} shard {shard.path}: {type(e).__name__}: {e}"
 
 
 def _residual_stream(output: Any) -> torch.Tensor:
