@@ -8,4 +8,4 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-pytest_plugins = ["tests.fixtures.models", "tests.fixtures.sshd", "tests.fixtures.prefect"]
+pytest_plugins = ["tests.fixtures.models", "tests.fixtures.sshd", "tests.fixtures.prefect", "tests.fixtures.prefect_server"]
