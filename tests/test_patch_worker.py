@@ -68,6 +68,7 @@ def test_the_task_patches_the_tiny_kimi_on_a_local_host(prefect_harness, tiny_ki
 
 
 @pytest.mark.vllm
+@pytest.mark.slow
 def test_too_many_ranks_for_this_cpu_fail_before_anything(tiny_kimi, tmp_path):
     cores = len(os.sched_getaffinity(0))
     config = {"target": str(tiny_kimi.vllm_dir), "out_dir": str(tmp_path / "p"), "tensor_parallel_size": cores + 1}
