@@ -94,6 +94,9 @@ def test_manual_run_through_the_worker_completes_with_its_report(manual_run, pre
     tiny = json.loads((REPO / "deployments" / "tiny-local.json").read_text())
     assert run.parameters["train"]["ttt_steps"] == tiny["train"]["ttt_steps"] != 7
     assert Path(run.parameters["host"]["root"]).name == "root"
-    keys = {a.key for a in artifacts if a.key}
-    assert any(a.type == "markdown" for a in artifacts), f"no markdown report among {keys}"
+    from tasks.evaluate import REPORT_KEY
+
+    reports = [a for a in artifacts if a.key == REPORT_KEY]
+    assert len(reports) == 1 and reports[0].type == "markdown", f"artifacts: {sorted(a.key or '-' for a in artifacts)}"
+    assert "acceptance length" in reports[0].data
     assert not subflows

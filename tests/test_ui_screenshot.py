@@ -143,7 +143,9 @@ def test_flow_run_page_shows_completed_steps_and_report(manual_run, prefect_api,
     chromium.wait_for([t.name for t in tasks] + [f"({len(tasks)} Completed)"])
     chromium.screenshot(ARTIFACTS / "flow-run-steps.png")
 
-    report = next(a for a in artifacts if a.type == "markdown")
+    from tasks.evaluate import REPORT_KEY
+
+    report = next(a for a in artifacts if a.key == REPORT_KEY)
     first_line = next(line.lstrip("# ").strip() for line in str(report.data).splitlines() if line.strip())
     chromium.open(f"{ui}/artifacts/artifact/{report.id}", expect=[first_line[:30]])
     chromium.screenshot(ARTIFACTS / "flow-run-report.png")
