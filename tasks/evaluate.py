@@ -107,7 +107,7 @@ def report_markdown(evaluation: dict, figures: dict, context: dict, previous: Cu
     tf = prov.get("train_figures", {})
     out = [f"# Draft evaluation: {context['run']}", "",
            "| | value |", "|---|---|",
-           f"| target | `{context['target']}` |",
+           f"| target | `{context['target']}` on {context['host']} |",
            f"| draft | `{prov['draft_dir']}` |",
            f"| data fingerprint | `{context.get('data_fingerprint') or prov.get('data_fingerprint') or 'n/a'}` |",
            f"| draft vocabulary | {prov.get('draft_vocab_size', 'n/a')} of {prov.get('target_vocab_size', 'n/a')} tokens, "

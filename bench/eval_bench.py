@@ -1,0 +1,123 @@
+"""Draft quality and the evaluation's share of a run: SmolLM2-135M-Instruct on ShareGPT, step by step.
+
+    .venv/bin/python bench/eval_bench.py --out /tmp/eval_bench.json                 # the demo preset, CPU, vLLM
+    python3 bench/eval_bench.py --conversations 0 --backend transformers --no-online \\
+        --epochs 4 --out $OUT/eval_bench.json --keep $OUT/draft                  # a GPU host without vLLM
+    .venv/bin/python -m remote.online_eval --config c.json                         # then the kept draft, here
+
+Runs what flows.train_draft runs, as the host runs it (`python -m remote.<step> --config`, one
+subprocess a step): embedded default -> prepare -> capture -> vocab -> train -> export -> evaluate,
+and prints the wall time of each step, the evaluation's figures (offline and, unless --no-online,
+in vLLM with a baseline and n-gram lookup) and the evaluate step's share of the total. With --keep
+the exported draft and data.parquet are copied there (for an online run on another machine).
+--conversations 0 takes every clean ShareGPT conversation of the package (~9.3k).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ALL_CLEAN = 20000  # more than the package holds: embedded_default then writes every clean conversation
+
+
+def steps(work: Path, model: str, data: str, a: argparse.Namespace) -> list[tuple[str, dict]]:
+    """(step, config) in run order, with the demo preset's settings where the flags leave them."""
+    w = str(work)
+    return [
+        ("prepare", {"inputs": [data], "tokenizer": model, "out_dir": f"{w}/prepare", "max_length": a.max_length,
+                     "heldout_permille": a.heldout_permille}),
+        ("capture", {"dataset": f"{w}/prepare/data.parquet", "target": model, "out_dir": f"{w}/capture",
+                     "cache_root": f"{w}/cache", "backend": a.backend, "samples_per_shard": 256, "max_num_seqs": 16}),
+        ("vocab", {"data": f"{w}/prepare", "target": model, "out_dir": f"{w}/vocab",
+                   "draft_vocab_size": a.draft_vocab_size}),
+        ("train", {"capture_dir": f"{w}/capture", "vocab_dir": f"{w}/vocab", "target": model, "out_dir": f"{w}/train",
+                   "ttt_steps": a.ttt_steps, "epochs": a.epochs, "lr": a.lr, "token_budget": a.batch_tokens,
+                   "checkpoint_every": 100000}),
+        ("export", {"train_dir": f"{w}/train", "vocab_dir": f"{w}/vocab", "out_dir": f"{w}/export"}),
+        ("evaluate", {"target": model, "draft_dir": f"{w}/export", "data": f"{w}/prepare/data.parquet",
+                      "capture_dir": f"{w}/capture", "out_dir": f"{w}/evaluate", "num_speculative_tokens": a.k,
+                      "run_online": a.online, "online": {"prompts": a.prompts, "max_tokens": a.max_tokens}}),
+    ]
+
+
+def run_step(step: str, config: dict, work: Path) -> tuple[float, dict]:
+    cfg = work / f"{step}.config.json"
+    cfg.write_text(json.dumps(config))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    t0 = time.perf_counter()
+    with open(work / f"{step}.log", "w") as logf:
+        rc = subprocess.call([sys.executable, "-m", f"remote.{step}", "--config", str(cfg)], cwd=ROOT, env=env,
+                             stdout=logf, stderr=subprocess.STDOUT)
+    seconds = time.perf_counter() - t0
+    if rc != 0:
+        tail = (work / f"{step}.log").read_text()[-3000:]
+        raise SystemExit(f"step {step} exited {rc} after {seconds:.0f} s; its log ends:\n{tail}")
+    return seconds, json.loads((Path(config["out_dir"]) / "manifest.json").read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="where the figures go (JSON)")
+    ap.add_argument("--conversations", type=int, default=300, help="clean ShareGPT conversations; 0: all of them")
+    ap.add_argument("--cache", default=os.environ.get("EAGLET_TEST_CACHE", "/tmp/eaglet-test-cache"),
+                    help="folder of the converted model and the conversations (made once)")
+    ap.add_argument("--work", default="", help="working folder (default: a temporary one, removed after)")
+    ap.add_argument("--keep", default="", help="copy the exported draft and data.parquet here")
+    ap.add_argument("--backend", default="vllm", choices=("vllm", "transformers"), help="capture backend")
+    ap.add_argument("--max-length", type=int, default=1024, help="tokens a sample may have")
+    ap.add_argument("--heldout-permille", type=int, default=50, help="held-out share, per mille")
+    ap.add_argument("--draft-vocab-size", type=int, default=8192)
+    ap.add_argument("--ttt-steps", type=int, default=3)
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--batch-tokens", type=int, default=4096)
+    ap.add_argument("-k", type=int, default=3, help="speculative tokens")
+    ap.add_argument("--prompts", type=int, default=16, help="held-out prompts of the online run")
+    ap.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt online")
+    ap.add_argument("--no-online", dest="online", action="store_false", help="offline evaluation only (no vLLM)")
+    a = ap.parse_args(argv)
+
+    sys.path.insert(0, str(ROOT))
+    from remote import embedded_default
+
+    t0 = time.perf_counter()
+    ed = embedded_default.run({"out_dir": str(Path(a.cache) / "embedded-default"),
+                               "conversations": a.conversations or ALL_CLEAN})
+    work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="eval-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    seconds, manifests = {"embedded_default": time.perf_counter() - t0}, {}
+    try:
+        for step, config in steps(work, ed["model_dir"], ed["data_path"], a):
+            seconds[step], manifests[step] = run_step(step, config, work)
+            print(f"{step}: {seconds[step]:.1f} s", flush=True)
+        if a.keep:
+            keep = Path(a.keep)
+            shutil.copytree(work / "export", keep / "export", dirs_exist_ok=True)
+            shutil.copy2(work / "prepare" / "data.parquet", keep / "data.parquet")
+    finally:
+        if not a.work:
+            shutil.rmtree(work, ignore_errors=True)
+    pipeline = sum(v for k, v in seconds.items() if k != "embedded_default")  # the one-time conversion aside
+    result = {
+        "conversations": manifests["prepare"]["counts"]["samples"],
+        "heldout": manifests["prepare"]["counts"]["heldout"],
+        "train": manifests["train"]["figures"], "vocab_coverage": manifests["vocab"]["figures"]["coverage"],
+        "evaluation": manifests["evaluate"]["figures"], "seconds": seconds, "pipeline_seconds": pipeline,
+        "evaluate_share": seconds["evaluate"] / pipeline, "load_average": os.getloadavg(),
+        "settings": {k: v for k, v in vars(a).items() if k not in ("out", "work", "keep", "cache")},
+    }
+    Path(a.out).write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
