@@ -14,7 +14,9 @@ FLOPs (stated, per step, what MFU divides by the step time and the bf16 dense pe
   times 3 for forward + backward (the standard 6N; counted the same for both implementations even
   where a frozen lm_head skips its weight gradient), plus the target's draft-vocab logits 2*H*Vd
   once a position, plus attention 4*d*heads*(keys seen) forward, times 3.5 with its backward.
-  Not counted: eaglet's full-vocabulary top-1 check (2*H*(V-Vd) a position, forward only).
+  Not counted: eaglet's full-vocabulary top-1 check (2*H*(V-Vd) a position, forward only), which
+  the trainer runs once a sample before training (remote.train), not in the step: it is timed
+  apart and reported as `top1_pass_tokens_per_s`.
 The speculators side (0.9.0, if importable) is its own compiled Eagle3DraftModel.forward with
 its fused KL loss under bf16 autocast, then backward, clip (1.0) and AdamW, as its trainer does.
 """
@@ -93,7 +95,7 @@ def _target_weights(c: DraftConfig, device, dtype, seed: int = 1):
 
 
 # ----------------------------------------------------------------------------- the two steps
-def eaglet_step(c: DraftConfig, ttt: int, device, train_lm_head: bool, dist: Distributed, top1_check: bool = True):
+def eaglet_step(c: DraftConfig, ttt: int, device, train_lm_head: bool, dist: Distributed):
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     embed, lm_head, t2d = _target_weights(c, device, dtype)
@@ -106,8 +108,7 @@ def eaglet_step(c: DraftConfig, ttt: int, device, train_lm_head: bool, dist: Dis
     draft.lm_head.weight.requires_grad_(train_lm_head)
     if cuda:
         draft.compile_layers()
-    head = TargetHead.from_weights(torch.ones(c.hidden_size, device=device, dtype=dtype), lm_head, t2d, c.rms_norm_eps,
-                                   drop_outside_top1=top1_check)
+    head = TargetHead.from_weights(torch.ones(c.hidden_size, device=device, dtype=dtype), lm_head, t2d, c.rms_norm_eps)
     del lm_head
     obj = TTTObjective(draft, ttt, 0.8, "flex" if cuda else "dense", compiled=cuda)
     model = dist.wrap(obj)
@@ -118,7 +119,7 @@ def eaglet_step(c: DraftConfig, ttt: int, device, train_lm_head: bool, dist: Dis
         stats, _ = optimizer_step(model, head, [batch], opt, params, dist, ttt, 0.5)
         return stats
 
-    return step, draft
+    return step, draft, head
 
 
 def speculators_step(c: DraftConfig, ttt: int, device, train_lm_head: bool):
@@ -192,12 +193,27 @@ def measure(impl: str, shape: str, ttt: int, args, dist: Distributed) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    if impl == "speculators":
-        step, model = speculators_step(c, ttt, device, args.train_lm_head)
-    else:  # eaglet_no_top1: without the full-vocabulary top-1 check, the objective speculators computes
-        step, model = eaglet_step(c, ttt, device, args.train_lm_head, dist, top1_check=impl == "eaglet")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     batches = [synthetic_batch(c, args.tokens, args.doc_len, device, dtype, seed=i + 100 * dist.rank) for i in range(2)]
+    top1 = {}
+    if impl == "speculators":
+        step, model = speculators_step(c, ttt, device, args.train_lm_head)
+    else:  # the trainer's pre-pass: the top-1 check once a sample, then the step reads the flags
+        step, model, head = eaglet_step(c, ttt, device, args.train_lm_head, dist)
+        for i in range(2):  # the first pass compiles nothing but warms the matmuls
+            _sync(device)
+            t = time.perf_counter()
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                flags = [head.in_draft(b.last) for b in batches]
+            _sync(device)
+            top1["top1_pass_tokens_per_s"] = round(len(batches) * args.tokens / (time.perf_counter() - t), 1)
+        for b, f in zip(batches, flags):
+            b.in_draft = f
+        head.other_rows = None
+    if device.type == "cuda":  # the step's peak apart from the pre-pass's (which comes first, once)
+        if top1:
+            top1["top1_pass_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 2)
+        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     step(batches[0])
     _sync(device)
@@ -218,13 +234,13 @@ def measure(impl: str, shape: str, ttt: int, args, dist: Distributed) -> dict:
            "step_s_median": round(med, 5), "step_s_min": round(min(times), 5),
            "tokens_per_s": round(args.tokens / med, 1), "tflops_per_step": round(flops / 1e12, 2),
            "mfu": round(flops / med / PEAK_BF16, 4) if device.type == "cuda" else None,
-           "finite": bool(torch.isfinite(out).all())}
+           "finite": bool(torch.isfinite(out).all()), **top1}
     if impl != "speculators":  # share of positions the loss counted (step 0), after the top-1 check
         rec["counted_share"] = round(float(out[0, 2]) / args.tokens, 4)
     if device.type == "cuda":
         rec["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 2)
         rec["gpu"] = torch.cuda.get_device_name()
-    del step, model, batches
+    del step, model, batches, top1
     return rec
 
 
@@ -254,7 +270,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", nargs="+", default=["llama8b"], choices=sorted(SHAPES))
     ap.add_argument("--ttt", nargs="+", type=int, default=[3])
-    ap.add_argument("--impl", nargs="+", default=["eaglet"], choices=["eaglet", "eaglet_no_top1", "speculators"])
+    ap.add_argument("--impl", nargs="+", default=["eaglet"], choices=["eaglet", "speculators"])
     ap.add_argument("--tokens", type=int, default=8192, help="packed positions a step (per rank)")
     ap.add_argument("--doc-len", type=int, default=2048, help="sample length inside the packed batch")
     ap.add_argument("--steps", type=int, default=8, help="timed steps (median reported)")

@@ -111,6 +111,8 @@ class Trainer:
         self.capture, self.vocab, self.dcfg, self.target = inputs
         self.index = CaptureIndex.build(self.capture, split="train")
         self._build_model()
+        if self.head.other_rows is not None:
+            self._precompute_in_draft()
         self.micro = dist.world * cfg.grad_accum  # micro-batches per optimizer step, all ranks
         self.plans = []  # per epoch: the packing plan, cut to whole optimizer steps
         epochs = math.ceil(cfg.epochs) if not cfg.max_steps else 10 ** 9
@@ -191,6 +193,40 @@ class Trainer:
                 return plan[first: first + self.cfg.grad_accum]
             step -= n
         raise AssertionError("step beyond the data plan")
+
+    @torch.no_grad()
+    def _precompute_in_draft(self) -> None:
+        """The full-vocabulary top-1 check, once a sample instead of every epoch's step.
+
+        Rank r checks every world-th sample, in batches of token_budget rows; the flags are summed
+        over the ranks so every rank holds all of them. The target's other lm_head rows are dropped
+        afterwards (the step then only needs the draft rows).
+        """
+        t0, dev, lengths = time.perf_counter(), self.dist.device, self.index.lengths
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+        flat = torch.zeros(offsets[-1], dtype=torch.uint8, device=dev)
+        group: list[int] = []
+        mine = list(range(self.dist.rank, len(lengths), self.dist.world))
+        for j, i in enumerate(mine):
+            group.append(i)
+            if j + 1 < len(mine) and sum(lengths[g] for g in group) + lengths[mine[j + 1]] <= self.cfg.token_budget:
+                continue
+            last = torch.cat(self.index.last_states(group)).to(dev, self.dtype)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.cuda):
+                f = self.head.in_draft(last)
+            pos = 0
+            for g in group:
+                flat[offsets[g]:offsets[g + 1]] = f[pos:pos + lengths[g]]
+                pos += lengths[g]
+            group = []
+        flat = self.dist.all_reduce(flat).cpu()
+        self.index.set_in_draft([flat[offsets[i]:offsets[i + 1]] for i in range(len(lengths))])
+        self.head.other_rows = None
+        share = float(flat.float().mean()) if len(flat) else 0.0
+        log(f"train: target top-1 inside the draft vocabulary at {share:.2%} of {len(flat)} train positions "
+            f"({time.perf_counter() - t0:.1f} s, once)")
 
     def resume(self) -> None:
         state = self.ckpt.load_latest(self.draft, self.opt, self.sched, self.dist)

@@ -3,6 +3,7 @@
     index = CaptureIndex.build(CaptureSet.from_manifest(capture_dir), split="train")
     plan = pack(index.lengths, token_budget=8192, seed=0, epoch=0)   # [[sample indices], ...]
     batch = index.load(plan[i], token_budget=8192)                   # a remote.draft.loss.PackedBatch
+    index.set_in_draft(flags)        # per-sample [length] bool, precomputed once (remote.train)
 
 The index reads only shard headers and `cu_seqlens`; a batch reads its samples' rows through
 safetensors slices, so a capture larger than memory trains without loading whole shards.
@@ -33,6 +34,28 @@ class SampleRef:
 class CaptureIndex:
     def __init__(self, refs: list[SampleRef], hidden_size: int, n_aux: int):
         self.refs, self.hidden_size, self.n_aux = refs, hidden_size, n_aux
+        self.in_draft: list[torch.Tensor] | None = None
+
+    def set_in_draft(self, flags: list[torch.Tensor]) -> None:
+        """Per sample, whether the target's top-1 at each row is in the draft vocabulary; batches carry it."""
+        bad = [r.sample_id for r, f in zip(self.refs, flags) if len(f) != r.length]
+        if len(flags) != len(self.refs) or bad:
+            raise ValueError(f"in-draft flags do not match the samples ({len(flags)} for {len(self.refs)}; {bad[:3]})")
+        self.in_draft = [f.bool().cpu() for f in flags]
+
+    def last_states(self, sample_idxs: list[int]) -> list[torch.Tensor]:
+        """The captured final states of these samples, whole (what TargetHead.in_draft reads)."""
+        out: dict[int, torch.Tensor] = {}
+        by_shard: dict[str, list[int]] = {}
+        for i in sample_idxs:
+            by_shard.setdefault(self.refs[i].shard, []).append(i)
+        for shard, idxs in by_shard.items():
+            with safe_open(shard, framework="pt") as f:
+                sl = f.get_slice("last_hidden_state")
+                for i in idxs:
+                    r = self.refs[i]
+                    out[i] = sl[r.start:r.start + r.length]
+        return [out[i] for i in sample_idxs]
 
     @property
     def lengths(self) -> list[int]:
@@ -71,10 +94,12 @@ class CaptureIndex:
                     n = min(r.length, token_budget)
                     rows[pos] = {k: sl[k][r.start:r.start + n] for k in parts}
                     _check(rows[pos], r, self.n_aux * self.hidden_size, self.hidden_size)
-        for pos in range(len(sample_idxs)):
+        for pos, i in enumerate(sample_idxs):
             for k in parts:
                 parts[k].append(rows[pos][k])
             lengths.append(len(rows[pos]["input_ids"]))
+        flags = None if self.in_draft is None else torch.cat(
+            [self.in_draft[i][:n] for i, n in zip(sample_idxs, lengths)])
         t = sum(lengths)
         pad = (-t) % pad_multiple
         doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
@@ -88,7 +113,8 @@ class CaptureIndex:
             last = torch.cat([last, last.new_zeros(pad, last.shape[1])])
             ids = torch.cat([ids, ids.new_zeros(pad)])
             mask = torch.cat([mask, mask.new_zeros(pad)])
-        return PackedBatch(ids, mask, aux, last, positions, doc, n_tokens=t)
+            flags = None if flags is None else torch.cat([flags, flags.new_zeros(pad)])
+        return PackedBatch(ids, mask, aux, last, positions, doc, n_tokens=t, in_draft=flags)
 
 
 def _check(t: dict[str, torch.Tensor], r: SampleRef, aux_width: int, hidden: int) -> None:

@@ -38,9 +38,11 @@ class PackedBatch:
     positions: torch.Tensor  # [T] int64, position inside its sample
     doc_ids: torch.Tensor  # [T] int64, which sample (padding rows get their own id)
     n_tokens: int = 0  # rows that are real tokens (the rest is padding at the end)
+    in_draft: torch.Tensor | None = None  # [T] bool, precomputed TargetHead.in_draft (None: computed per step)
 
     def to(self, device, dtype=None) -> "PackedBatch":
-        f = {k: getattr(self, k).to(device, non_blocking=True) for k in self.__dataclass_fields__ if k != "n_tokens"}
+        f = {k: v.to(device, non_blocking=True) for k in self.__dataclass_fields__
+             if k != "n_tokens" and (v := getattr(self, k)) is not None}
         if dtype is not None:
             f["aux"], f["last"] = f["aux"].to(dtype), f["last"].to(dtype)
         return PackedBatch(**f, n_tokens=self.n_tokens)
@@ -72,19 +74,33 @@ class TargetHead:
         mv = lambda x: None if x is None else x.to(device, dtype)  # noqa: E731
         return TargetHead(self.norm_weight.to(device, dtype), mv(self.draft_rows), mv(self.other_rows), self.eps, self.chunk)
 
+    def _normed(self, last: torch.Tensor) -> torch.Tensor:
+        x = last.float()
+        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(last.dtype) * self.norm_weight
+
+    @torch.no_grad()
+    def in_draft(self, last: torch.Tensor, draft_logits: torch.Tensor | None = None) -> torch.Tensor:
+        """[T] bool: the target's full-vocabulary top-1 at each row is a draft-vocabulary token.
+
+        The costly part of the targets (2*H*(V - Vd) a row, forward only) and the same in every
+        epoch: the trainer computes it once per sample before training (PackedBatch.in_draft).
+        """
+        normed = self._normed(last)
+        flags = torch.ones(len(last), dtype=torch.bool, device=last.device)
+        if self.other_rows is None:
+            return flags
+        for a in range(0, len(last), self.chunk):  # chunked: [T, V - Vd] would not fit at 128k vocab
+            n = normed[a:a + self.chunk]
+            best = (n @ self.draft_rows.T if draft_logits is None else draft_logits[a:a + self.chunk]).max(-1).values
+            flags[a:a + self.chunk] = best >= (n @ self.other_rows.T).max(-1).values
+        return flags
+
     @torch.no_grad()
     def targets(self, b: PackedBatch, ttt_steps: int) -> StepTargets:
-        x = b.last.float()
-        normed = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(b.last.dtype) * self.norm_weight
-        logits = normed @ self.draft_rows.T
-        in_draft = torch.ones(len(x), dtype=torch.bool, device=x.device)
-        if self.other_rows is not None:
-            best = logits.max(-1).values
-            for a in range(0, len(x), self.chunk):  # chunked: [T, V - Vd] would not fit at 128k vocab
-                other = (normed[a:a + self.chunk] @ self.other_rows.T).max(-1).values
-                in_draft[a:a + self.chunk] = best[a:a + self.chunk] >= other
-        t = len(x)
-        idx = torch.arange(t, device=x.device)
+        logits = self._normed(b.last) @ self.draft_rows.T
+        in_draft = b.in_draft if b.in_draft is not None else self.in_draft(b.last, logits)
+        t = len(b.last)
+        idx = torch.arange(t, device=b.last.device)
         valid = []
         for k in range(ttt_steps):
             j = (idx + 2 + k).clamp(max=t - 1)  # the predicted token

@@ -1,0 +1,66 @@
+"""The target's full-vocabulary top-1 check, computed once a sample (remote.train) instead of in
+every step: the batches then carry the flags, and the targets must be the same either way."""
+import torch
+
+from remote.capture_store import CaptureSet, Sample, write_shard
+from remote.draft.data import CaptureIndex
+from remote.draft.loss import PackedBatch, TargetHead
+
+H, V, VD = 32, 200, 40
+
+
+def _head(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lm_head = torch.randn(V, H, generator=g)
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[torch.randperm(V, generator=g)[:VD]] = True
+    lm_head[t2d] *= 1.3  # about half the rows' top-1 inside, half outside: both cases occur
+    return TargetHead.from_weights(torch.ones(H), lm_head, t2d, 1e-6, chunk=7), lm_head, t2d
+
+
+def _batch(lengths, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    t = sum(lengths)
+    return PackedBatch(torch.randint(0, V, (t,), generator=g), torch.ones(t, dtype=torch.bool),
+                       torch.randn(t, 3 * H, generator=g), torch.randn(t, H, generator=g),
+                       torch.cat([torch.arange(n) for n in lengths]),
+                       torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)), n_tokens=t)
+
+
+def test_in_draft_matches_the_full_vocabulary_argmax():
+    (head, lm_head, t2d), b = _head(), _batch([30, 20])
+    x = b.last
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    want = t2d[(normed @ lm_head.T).argmax(-1)]
+    got = head.in_draft(b.last)
+    assert torch.equal(got, want)
+    assert 0 < int(want.sum()) < len(want), "the case must hold rows inside and outside the draft vocabulary"
+
+
+def test_precomputed_flags_give_the_same_targets():
+    (head, _, _), b = _head(), _batch([30, 20, 14])
+    per_step = head.targets(b, 3)
+    b.in_draft = head.in_draft(b.last)
+    head.other_rows = None  # what the trainer does after the pre-pass: the step cannot compute them any more
+    pre = head.targets(b, 3)
+    assert torch.equal(pre.valid, per_step.valid) and torch.equal(pre.logits, per_step.logits)
+    assert not bool(pre.valid.all())
+
+
+def test_index_carries_the_flags_into_packed_batches(tmp_path):
+    g = torch.Generator().manual_seed(2)
+    lengths = [9, 5, 12]
+    samples = [Sample(f"s{i}", "train", torch.randint(0, V, (n,), generator=g, dtype=torch.int32),
+                      torch.ones(n, dtype=torch.uint8), torch.randn(n, 3 * H, generator=g), torch.randn(n, H, generator=g))
+               for i, n in enumerate(lengths)]
+    shard = tmp_path / "shard-00000.safetensors"
+    write_shard(shard, samples, (1, 2, 3))
+    index = CaptureIndex.build(CaptureSet([str(shard)], (1, 2, 3), H, "float32", "t"))
+    head = _head()[0]
+    lasts = index.last_states([0, 1, 2])
+    assert [len(x) for x in lasts] == lengths and torch.equal(lasts[1], samples[1].last_hidden_state)
+    flags = [head.in_draft(x) for x in lasts]
+    index.set_in_draft(flags)
+    b = index.load([2, 0], token_budget=64, pad_multiple=8)
+    assert torch.equal(b.in_draft[:21], torch.cat([flags[2], flags[0]]))
+    assert len(b.in_draft) == 24 and not bool(b.in_draft[21:].any())  # padding rows never count
