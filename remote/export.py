@@ -58,6 +58,8 @@ def vllm_config(d: DraftConfig, dtype: str) -> dict:
         "intermediate_size": d.intermediate_size,
         "hidden_act": "silu",
         "rms_norm_eps": d.rms_norm_eps,
+        # vLLM builds the draft's rotary from config.rope_parameters, which transformers 5 (LlamaConfig)
+        # assembles from these two legacy keys; transformers 4 and SGLang read them as they are.
         "rope_theta": d.rope_theta,
         "rope_scaling": d.rope_scaling,
         "max_position_embeddings": d.max_position_embeddings,

@@ -13,7 +13,15 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROPE_TYPES = ("default", "linear", "llama3")  # what remote.draft.model.rope_frequencies computes
+# The rope types the draft trains with, each with the keys vLLM's get_rope needs for it (the draft's rotary
+# must be the one vLLM applies at inference: tests/test_rope.py compares the two).
+ROPE_TYPES = {
+    "default": (),
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("factor", "original_max_position_embeddings"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,7 +36,7 @@ class DraftConfig:
     aux_layer_ids: tuple[int, ...]  # HF hidden-state indices the capture took (vLLM's eagle_aux_hidden_state_layer_ids)
     rms_norm_eps: float = 1e-6  # epsilon of every RMSNorm
     rope_theta: float = 10000.0  # rotary base
-    rope_scaling: dict | None = None  # HF rope_scaling dict (rope_type default, linear or llama3), or None
+    rope_scaling: dict | None = None  # HF rope_scaling dict (a rope_type of ROPE_TYPES and its keys), or None
     max_position_embeddings: int = 8192  # written to the exported config (vLLM sizes its rope cache by it)
     target_hidden_size: int | None = None  # width of the captured states when it differs from H (None: H)
     extra: dict = field(default_factory=dict)  # target config keys copied into the export verbatim (bos/eos ids)
@@ -47,10 +55,7 @@ class DraftConfig:
         object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
-        rope_type = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
-        if rope_type not in ROPE_TYPES:
-            raise ValueError(f"rope_scaling type {rope_type!r} is not supported by the draft (supported: {ROPE_TYPES}); "
-                             "pass draft_overrides={'rope_scaling': None} to train the draft with plain rotary")
+        object.__setattr__(self, "rope_scaling", _rope_scaling(self.rope_scaling))
 
     @property
     def n_aux(self) -> int:
@@ -75,8 +80,6 @@ class DraftConfig:
         hidden = int(t["hidden_size"])
         rope = t.get("rope_parameters") or {}  # transformers 5 folds theta and scaling into one dict
         scaling = t.get("rope_scaling") or ({k: v for k, v in rope.items() if k != "rope_theta"} or None)
-        if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
-            scaling = None
         values = dict(
             hidden_size=hidden,
             num_heads=heads,
@@ -98,3 +101,22 @@ class DraftConfig:
     @classmethod
     def from_target_dir(cls, target_dir: str | Path, **kw) -> "DraftConfig":
         return cls.from_target_config(json.loads((Path(target_dir) / "config.json").read_text()), **kw)
+
+
+def _rope_scaling(s: dict | None) -> dict | None:
+    """A rope_scaling dict checked and in the modern spelling (`rope_type`, not the legacy `type`); None for plain rope."""
+    if not s:
+        return None
+    s = dict(s)
+    kind = s.pop("type", None)
+    kind = s.setdefault("rope_type", kind or "default")
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"rope_scaling type {kind!r} is not supported by the draft (supported: {sorted(ROPE_TYPES)}); "
+                         "pass draft_overrides={'rope_scaling': None} to train the draft with plain rotary")
+    missing = [k for k in ROPE_TYPES[kind] if s.get(k) is None]
+    if missing:
+        raise ValueError(f"rope_scaling type {kind!r} lacks {missing}")
+    if kind == "dynamic" and ("alpha" in s or "max_trained_positions" in s):
+        # vLLM turns these into another rotary (NTK alpha / a rescaled base) than transformers computes.
+        raise ValueError("rope_scaling type 'dynamic' with alpha or max_trained_positions is not supported by the draft")
+    return None if kind == "default" else s

@@ -40,23 +40,24 @@ class RMSNorm(nn.Module):
         return xf.to(x.dtype) * self.weight.to(x.dtype)
 
 
-def rope_frequencies(cfg: DraftConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] with the target's rope scaling (default, linear or llama3)."""
-    d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    s = cfg.rope_scaling or {}
-    kind = s.get("rope_type", s.get("type", "default"))
-    if kind == "linear":
-        inv = inv / float(s["factor"])
-    elif kind == "llama3":
-        # Llama 3.1: long wavelengths slowed by `factor`, short ones kept, a smooth blend between.
-        factor, lo, hi = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
-        old = float(s["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv
-        smooth = ((old / wavelen) - lo) / (hi - lo)
-        blended = (1 - smooth) * inv / factor + smooth * inv
-        inv = torch.where(wavelen > old / lo, inv / factor, torch.where(wavelen < old / hi, inv, blended))
-    return inv.float()
+def rope_frequencies(cfg: DraftConfig) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [head_dim/2], cos/sin scale) of the target's rope, from transformers' own rope init.
+
+    vLLM builds the exported draft's rotary from the same settings (get_rope over the LlamaConfig's
+    rope_parameters); tests/test_rope.py checks the two agree for every type in config.ROPE_TYPES.
+    The scale is 1 except for yarn (its attention factor multiplies cos and sin, as in vLLM).
+    """
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rope = {"rope_theta": cfg.rope_theta, **(cfg.rope_scaling or {"rope_type": "default"})}
+    hf = LlamaConfig(hidden_size=cfg.num_heads * cfg.head_dim, num_attention_heads=cfg.num_heads,
+                     head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings,
+                     rope_parameters=rope)
+    # The inverse frequencies at construction are the static ones vLLM uses; transformers' dynamic
+    # type would only change them past max_position_embeddings, which vLLM never does.
+    emb = LlamaRotaryEmbedding(hf)
+    return emb.inv_freq.float(), float(emb.attention_scaling)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -200,7 +201,8 @@ class EagleDraft(nn.Module):
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
-        self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
+        inv_freq, self.rope_scale = rope_frequencies(cfg)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._pre, self._post = self.midlayer.pre_attention, self.midlayer.post_attention
 
     def compile_layers(self) -> None:
@@ -214,7 +216,7 @@ class EagleDraft(nn.Module):
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ang = positions.float()[:, None] * self.inv_freq[None, :]
-        return ang.cos(), ang.sin()
+        return ang.cos() * self.rope_scale, ang.sin() * self.rope_scale
 
     def step(self, embeds, hidden, positions, attn: TTTAttention):
         """One draft step: (pre-norm state for the next step, normed state for lm_head)."""
