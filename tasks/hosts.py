@@ -248,8 +248,10 @@ class LocalHost(Host):
         out, err = LineSplitter("stdout", on_line), LineSplitter("stderr", on_line)
         started = time.monotonic()
         try:
+            # stdin: a pipe this process holds open and never writes, as an SSH channel is; when the
+            # controller dies (or run unwinds) it reads end of file, and remote.guard ends the step.
             proc = subprocess.Popen(argv, cwd=cwd, env={**os.environ, **self.params.env, **(env or {})},
-                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     start_new_session=True)
         except OSError as e:  # no such program or folder: report it as the shell would (127)
             err.write(f"{argv[0]}: {e}\n")
@@ -266,6 +268,8 @@ class LocalHost(Host):
                 t.join()
             command_result(out, err, proc.returncode, started)  # deliver the last partial line, raise a callback's error
             raise CommandTimedOut(f"{self.name}: {argv[0]} ran past {timeout} s; its process group was ended")
+        finally:
+            proc.stdin.close()
         for t in readers:
             t.join()
         return command_result(out, err, code, started)

@@ -5,7 +5,8 @@
                                run_dir=run_dir, timeout=3600, on_event=print, log=print)
 
 The config travels as `<run_dir>/<step>.config.json`; the step runs as
-`<python> -m remote.<step> --config <that file>` in the shipped code folder. Its exit code decides:
+`<python> -m remote.<step> --config <that file>` in the shipped code folder, under `remote.guard`
+(which ends it, and whatever it started, when the controller's session ends). Its exit code decides:
 0 -> the manifest in `config["out_dir"]` is returned; 65 -> BadInputError (never retried); anything
 else -> RemoteFault (retried). Inside a Prefect task use `run_step_in_task`, which sends the remote
 lines to the run log and the progress events to a progress artifact as they arrive.
@@ -47,8 +48,9 @@ def run_remote_step(host: Host, code: ShippedCode, step: str, config: dict, *, r
     host.write_text(cfg, json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
     lines = _StepLines(host.name, on_event, log)
     try:
-        result = host.run([host.python, "-m", f"remote.{step}", "--config", cfg], cwd=code.path,
-                          env={"PYTHONPATH": code.path, "EAGLET_CODE_HASH": code.sha},
+        # remote.guard ends the step and everything it started when the session does (docs/CONVENTIONS.md)
+        result = host.run([host.python, "-m", "remote.guard", host.python, "-m", f"remote.{step}", "--config", cfg],
+                          cwd=code.path, env={"PYTHONPATH": code.path, "EAGLET_CODE_HASH": code.sha},
                           timeout=timeout, on_line=lines)
     except CommandTimedOut as e:
         raise CommandTimedOut(f"step {step}: {e}") from e

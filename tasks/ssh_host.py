@@ -183,6 +183,8 @@ class SSHHost(Host):
         command = remote_command(argv, cwd, {**self.params.env, **(env or {})}, timeout)
         out, err = LineSplitter("stdout", on_line), LineSplitter("stderr", on_line)
         # Fabric's own timeout is only a backstop for a hung connection: `timeout` on the host acts first.
+        # in_stream=False sends nothing and never closes the command's stdin: it reads end of file only
+        # when the session ends, which is how remote.guard knows that the controller has gone.
         backstop = None if timeout is None else timeout + KILL_GRACE_S + self.params.connect_timeout
         started = time.monotonic()
         with self._faults(f"run {argv[0]}"):

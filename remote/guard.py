@@ -1,0 +1,118 @@
+"""Run a command on the host that ends when the controller goes away.
+
+    python -m remote.guard python -m remote.capture --config capture.config.json
+
+Without it, a step outlives its controller: when the controller process is killed or its Prefect
+task cancelled, the SSH channel closes, but a command without a terminal gets no signal for that,
+and a step that prints nothing (or one whose engine runs in child processes) keeps the GPUs busy.
+
+The guard runs the command as its child and waits. The controller holds
+the guard's stdin open (an SSH channel, or LocalHost's pipe) and never writes to it: end of file
+there means the session is gone. On that, or on SIGHUP, SIGTERM or SIGINT, the guard sends SIGTERM
+to every other process of its group (the command and whatever it started: vLLM's engine core, its
+workers), gives the command GRACE_S seconds to end, then SIGKILLs what is left of the group. It
+exits with the command's status (a command ended by a signal ends the guard by the same signal),
+so exit codes mean what docs/CONVENTIONS.md says, with or without the guard in between.
+
+The guard stays in the group it was started in (`timeout`'s, or LocalHost's session), so a timeout
+that signals the whole group still reaches the command directly. Linux only (it reads /proc).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import threading
+
+GRACE_S = 5.0  # after SIGTERM, seconds until the group's survivors get SIGKILL
+ENDING_SIGNALS = (signal.SIGHUP, signal.SIGTERM, signal.SIGINT)
+
+
+def group_members(pgid: int) -> list[int]:
+    """Pids of the processes in process group pgid, this one and its parent left out."""
+    skip = {os.getpid(), os.getppid()}
+    members = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) in skip:
+            continue
+        try:  # fields after "(comm)": state ppid pgrp ...; comm itself may hold spaces and parentheses
+            fields = open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # it ended while we looked
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(d))
+    return members
+
+
+def signal_group(sig: int) -> None:
+    for pid in group_members(os.getpgrp()):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _watches_stdin() -> bool:
+    """Only a pipe or a socket on stdin is the controller's line; a file or /dev/null is not."""
+    try:
+        mode = os.fstat(0).st_mode
+    except OSError:
+        return False
+    return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
+
+
+def _wait_for_eof(ending: threading.Event, wake: threading.Event) -> None:
+    try:
+        while os.read(0, 1 << 12):
+            pass  # the controller never writes; anything that comes is ignored
+    except OSError:
+        pass
+    ending.set()
+    wake.set()
+
+
+def run(argv: list[str], grace_s: float = GRACE_S) -> int:
+    """Run argv until it ends, or end it when the session does; returns its exit status."""
+    wake = threading.Event()
+    ending = threading.Event()
+
+    def on_signal(signum, frame) -> None:
+        ending.set()
+        wake.set()
+
+    for sig in ENDING_SIGNALS:  # before the child starts: a signal in between would be lost
+        signal.signal(sig, on_signal)
+    child = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+    threading.Thread(target=lambda: (child.wait(), wake.set()), daemon=True).start()
+    if _watches_stdin():
+        threading.Thread(target=_wait_for_eof, args=(ending, wake), daemon=True).start()
+    while not wake.wait(1.0):  # a timeout, so signal handlers run promptly on every Python
+        pass
+    if ending.is_set():
+        signal_group(signal.SIGTERM)
+        try:
+            child.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        signal_group(signal.SIGKILL)  # the command's leftovers too: children outliving their parent
+    return child.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        print("usage: python -m remote.guard PROGRAM [ARG...]", file=sys.stderr)
+        return 64  # EX_USAGE
+    code = run(argv)
+    if code < 0:  # end the way the command ended, so the caller sees the same signal
+        sys.stdout.flush()
+        if -code != signal.SIGKILL:
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

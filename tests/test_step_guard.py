@@ -1,0 +1,151 @@
+"""A step ends when its controller goes away (remote.guard): on a real sshd and on the local host, a
+step that never ends by itself (tests/remote_steps/hang_step.py: a child ignoring SIGTERM, and a
+grandchild) is started through run_remote_step; the connection is closed, or the controller process
+is SIGKILLed; every process of the step must be gone within the guard's grace plus a few seconds.
+The guard keeps exit codes as they are.
+
+This module is also the controller of those runs: `python -m tests.test_step_guard PARAMS SRC PID_FILE`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from remote.guard import GRACE_S
+from tasks.errors import HostUnreachable
+from tasks.hosts import HostParams, open_host
+from tasks.remote_step import run_remote_step
+from tasks.ship import ship_code
+from tests.remote_steps import package_with_probes
+
+REPO = Path(__file__).resolve().parent.parent
+GONE_WITHIN_S = GRACE_S + 5  # the guard's grace for the SIGTERM-ignoring child, and time to notice
+
+
+@pytest.fixture(scope="module")
+def hang_src(tmp_path_factory) -> Path:
+    pkg = package_with_probes(tmp_path_factory.mktemp("hang-src"))
+    shutil.copy(REPO / "tests" / "remote_steps" / "hang_step.py", pkg / "hang_step.py")
+    return pkg
+
+
+def start_hang_step(host, src: Path, pid_file: str) -> None:
+    """Ship src and run hang_step on host (returns only when the run fails)."""
+    code = ship_code(host, src)
+    run_dir = host.path("runs", uuid.uuid4().hex[:8])
+    run_remote_step(host, code, "hang_step", {"out_dir": f"{run_dir}/hang", "pid_file": pid_file},
+                    run_dir=run_dir, timeout=600, log=print)
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie that nobody reaped yet has ended: it holds no memory and runs nothing)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.fixture
+def step_pids(tmp_path):
+    """(pid file, wait() -> the step's three pids); whatever is left at the end is SIGKILLed."""
+    pid_file = tmp_path / "pids"
+    tmp_path.chmod(0o755)
+    seen: list[int] = []
+
+    def wait(timeout: float = 60) -> list[int]:
+        deadline = time.monotonic() + timeout
+        while not pid_file.exists():
+            assert time.monotonic() < deadline, "the step did not start its processes"
+            time.sleep(0.05)
+        seen.extend(int(p) for p in pid_file.read_text().split())
+        assert len(seen) == 3 and all(alive(p) for p in seen), seen
+        return list(seen)
+
+    yield pid_file, wait
+    for pid in seen:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def assert_all_end(pids: list[int], within: float = GONE_WITHIN_S) -> float:
+    started = time.monotonic()
+    while any(alive(p) for p in pids):
+        left = [p for p in pids if alive(p)]
+        assert time.monotonic() - started < within, f"still running after {within} s: {left}"
+        time.sleep(0.1)
+    return time.monotonic() - started
+
+
+@pytest.mark.ssh
+def test_closing_the_ssh_connection_ends_the_step(sshd, hang_src, step_pids):
+    pid_file, wait = step_pids
+    host = open_host(sshd.params(root=str(sshd.dir.parent / "roots" / uuid.uuid4().hex[:8])))
+    errors: list[Exception] = []
+
+    def run() -> None:
+        try:
+            start_hang_step(host, hang_src, str(pid_file))
+        except Exception as e:  # noqa: BLE001 - looked at below
+            errors.append(e)
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    pids = wait()
+    host.close()
+    runner.join(30)
+    assert not runner.is_alive() and len(errors) == 1 and isinstance(errors[0], HostUnreachable), errors
+    assert_all_end(pids)
+
+
+@pytest.mark.parametrize("kind", ["local", pytest.param("ssh", marks=pytest.mark.ssh)])
+def test_killing_the_controller_ends_the_step(request, kind, hang_src, step_pids, tmp_path):
+    pid_file, wait = step_pids
+    if kind == "local":
+        params = HostParams(root=str(tmp_path / "root"))
+    else:
+        server = request.getfixturevalue("sshd")
+        params = server.params(root=str(server.dir.parent / "roots" / uuid.uuid4().hex[:8]))
+    log = open(tmp_path / "controller.log", "w")
+    controller = subprocess.Popen([sys.executable, "-m", "tests.test_step_guard", params.model_dump_json(),
+                                   str(hang_src), str(pid_file)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                  stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        pids = wait()
+        assert controller.poll() is None
+        controller.kill()  # SIGKILL: nothing on the controller side gets to clean up
+        controller.wait(10)
+        assert_all_end(pids)
+    finally:
+        if controller.poll() is None:
+            controller.kill()
+        log.close()
+
+
+def _guard(*command: str, stdin=subprocess.DEVNULL) -> int:
+    return subprocess.run([sys.executable, "-m", "remote.guard", *command], cwd=REPO, stdin=stdin,
+                          timeout=30).returncode
+
+
+def test_the_guard_keeps_exit_codes():
+    assert _guard("sh", "-c", "exit 3") == 3
+    assert _guard("sh", "-c", "exit 65") == 65
+    assert _guard("sh", "-c", "kill -9 $$") == -signal.SIGKILL  # ended by the same signal
+    # stdin that is no controller's line (here /dev/null) does not end the command
+    assert _guard("sh", "-c", "sleep 0.5; exit 0") == 0
+    assert _guard() == 64
+
+
+if __name__ == "__main__":  # the controller of test_killing_the_controller_ends_the_step
+    with open_host(HostParams.model_validate_json(sys.argv[1])) as controller_host:
+        controller_host.makedirs(controller_host.root)
+        start_hang_step(controller_host, Path(sys.argv[2]), sys.argv[3])
