@@ -74,7 +74,7 @@ class TrainConfig:
     init_lm_head_from_target: bool = True  # start lm_head from the target's rows of the draft vocabulary
     drop_outside_top1: bool = True  # drop positions whose target top-1 is outside the draft vocabulary
     draft_overrides: dict = field(default_factory=dict)  # DraftConfig fields that differ from the target's
-    warm_start: str = ""  # an exported draft folder (remote.export) to start from; its vocabulary must be this one
+    warm_start: str = ""  # an exported draft folder (remote.export) to start from; lm_head rows mapped by token
     nproc_per_node: int = 1  # processes on this host (GPUs, or gloo processes on a CPU)
     nnodes: int = 1  # hosts in the job
     node_rank: int = 0  # this host's index (0 runs the rendezvous when rdzv_endpoint is empty)
@@ -159,22 +159,55 @@ class Trainer:
         self.params = [p for p in draft.parameters() if p.requires_grad]
 
     def _warm_start(self, draft: EagleDraft) -> None:
-        """Start from an exported draft (the nightly retrain): same shapes, same vocabulary."""
+        """Start from an exported draft (the nightly retrain): every weight as it is, but lm_head by token.
+
+        The draft vocabulary may have changed since (new data, new top tokens): lm_head rows of
+        target tokens in both vocabularies are carried over, rows of new tokens keep the fresh
+        draft's start (the target's rows, with init_lm_head_from_target). Other shapes must match.
+        """
         from safetensors.torch import load_file
 
-        p = Path(self.cfg.warm_start) / "model.safetensors"
+        src = self.cfg.warm_start
+        p = Path(src) / "model.safetensors"
         if not p.is_file():
-            raise BadInput(f"warm_start {self.cfg.warm_start}: no model.safetensors")
+            raise BadInput(f"warm_start {src}: no model.safetensors")
         w = load_file(str(p))
-        if "d2t" in w and not torch.equal(w["d2t"], self.vocab.d2t):
-            raise BadInput(f"warm_start {self.cfg.warm_start} has another draft vocabulary than {self.cfg.vocab_dir}; "
-                           "train from scratch or reuse its vocab")
         own = draft.trainable_state_dict()
-        bad = [k for k in own if k not in w or w[k].shape != own[k].shape]
-        if bad:
-            raise BadInput(f"warm_start {self.cfg.warm_start} does not fit this draft's shapes ({bad[:4]})")
-        draft.load_state_dict({k: w[k].float() for k in own}, strict=False)
-        log(f"train: warm start from {self.cfg.warm_start}")
+        missing = [k for k in own if k not in w]
+        bad = [f"{k} {tuple(w[k].shape)} (this draft: {tuple(own[k].shape)})" for k in own
+               if k in w and k != "lm_head.weight" and w[k].shape != own[k].shape]
+        head = w.get("lm_head.weight")
+        if head is not None and head.shape[1:] != own["lm_head.weight"].shape[1:]:
+            bad.append(f"lm_head.weight {tuple(head.shape)} (this draft: {tuple(own['lm_head.weight'].shape)})")
+        if missing or bad:
+            raise BadInput(f"warm_start {src} does not fit this draft (hidden size {self.dcfg.hidden_size}, "
+                           f"target {self.target}): " + "; ".join([f"{k} missing" for k in missing[:4]] + bad[:4]) +
+                           "; train from scratch (warm_start empty) when the target or the draft's shape changed")
+        rows, kept = self._carried_lm_head_rows(w, src)
+        new_head = draft.lm_head.weight.detach().clone()  # the fresh draft's rows: the new tokens keep them
+        new_head[kept] = head[rows].float()
+        draft.load_state_dict({**{k: w[k].float() for k in own}, "lm_head.weight": new_head}, strict=False)
+        log(f"train: warm start from {src}: lm_head rows of {len(kept)} of {len(new_head)} draft tokens carried over, "
+            f"{len(new_head) - len(kept)} new ones start as in a fresh draft")
+
+    def _carried_lm_head_rows(self, w: dict, src: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows of the warm start's lm_head, the rows of this draft they go to): the tokens both vocabularies hold."""
+        n_old = len(w["lm_head.weight"])
+        if "d2t" not in w:  # a draft without its vocabulary can only be the same one
+            if n_old != len(self.vocab.d2t):
+                raise BadInput(f"warm_start {src} has {n_old} draft tokens and no d2t to map them by; "
+                               f"this vocabulary ({self.cfg.vocab_dir}) has {len(self.vocab.d2t)}")
+            return torch.arange(n_old), torch.arange(n_old)
+        if "t2d" in w and len(w["t2d"]) != len(self.vocab.t2d):
+            raise BadInput(f"warm_start {src} was trained for a target of {len(w['t2d'])} tokens, this target has "
+                           f"{len(self.vocab.t2d)}; train from scratch (warm_start empty)")
+        if len(w["d2t"]) != n_old:
+            raise BadInput(f"warm_start {src}: d2t has {len(w['d2t'])} entries, lm_head {n_old} rows")
+        old_ids = torch.arange(n_old) + w["d2t"].long()  # target id of each old draft row, ascending
+        new_ids = self.vocab.draft_ids
+        at = torch.searchsorted(old_ids, new_ids).clamp(max=n_old - 1)
+        shared = old_ids[at] == new_ids
+        return at[shared], shared.nonzero().flatten()
 
     def _lr_factor(self, s: int) -> float:
         w = self.cfg.warmup_steps

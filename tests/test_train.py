@@ -206,3 +206,69 @@ def test_task_configs_and_loss_artifact():
     assert (t.nproc_per_node, t.token_budget, t.epochs, t.target) == (8, 4096, 1.5, "/m")
     md = loss_curve_markdown([[1, 3.0], [2, 2.5], [3, 2.0]], {"steps": 3, "final_loss": 2.0, "final_acc": [0.5, 0.25]})
     assert "<svg" in md and "<polyline" in md and "| top-1 agreement | 0.500 | 0.250 |" in md
+
+
+# ----------------------------------------------------------------------------- warm start (the nightly retrain)
+@pytest.fixture(scope="module")
+def current_draft(reference_run, inputs, tmp_path_factory):
+    """The reference run exported as the nightly's current draft (float32, so rows compare bit for bit)."""
+    from remote.export import main as export_main
+
+    d = tmp_path_factory.mktemp("current-draft")
+    cfg = d / "export.json"
+    cfg.write_text(json.dumps({"train_dir": str(reference_run[0]), "vocab_dir": inputs["vocab_dir"],
+                               "out_dir": str(d / "draft"), "dtype": "float32"}))
+    assert export_main(["--config", str(cfg)]) == 0
+    return d / "draft"
+
+
+def _trainer(cfg: dict, stage: Path):
+    """The Trainer as remote.train builds it, in this process (one CPU rank), before any step."""
+    from remote.step import load_config
+    from remote.train import TrainConfig, Trainer
+    from remote.train_state import Distributed
+
+    stage.mkdir(parents=True)
+    return Trainer(load_config(TrainConfig, cfg), Distributed.from_env("cpu"), stage)
+
+
+def test_warm_start_with_another_vocabulary_maps_lm_head_rows_by_token(tiny_llama, inputs, current_draft, tmp_path,
+                                                                        capsys):
+    vocab = json.loads((tiny_llama / "config.json").read_text())["vocab_size"]
+    seqs, masks = random_chats(24, vocab, seed=7)  # another night's data: another top-150
+    night = {**inputs, "vocab_dir": str(save_vocab(seqs, masks, vocab, 150, tmp_path / "vocab")), "max_steps": 1}
+    warm = _trainer({**night, "warm_start": str(current_draft), "out_dir": str(tmp_path / "w")}, tmp_path / "w.partial")
+    fresh = _trainer({**night, "out_dir": str(tmp_path / "f")}, tmp_path / "f.partial")
+    w = load_file(str(current_draft / "model.safetensors"))
+    old_ids = (torch.arange(len(w["d2t"])) + w["d2t"]).tolist()
+    new_ids = warm.vocab.draft_ids.tolist()
+    shared = [i for i, t in enumerate(new_ids) if t in old_ids]
+    assert 0 < len(shared) < len(new_ids) and len(new_ids) != len(old_ids)  # overlapping, yet another vocabulary
+    head, fresh_head = warm.draft.lm_head.weight.detach(), fresh.draft.lm_head.weight.detach()
+    for i, t in enumerate(new_ids):  # shared tokens: the current draft's trained row; new ones: a fresh draft's
+        expected = w["lm_head.weight"][old_ids.index(t)] if t in old_ids else fresh_head[i]
+        assert torch.equal(head[i], expected), f"draft row {i} (target token {t})"
+    assert not torch.equal(head[shared], fresh_head[shared])  # the carried rows are trained ones, not the start
+    for k, v in warm.draft.trainable_state_dict().items():
+        if k != "lm_head.weight":
+            assert torch.equal(v, w[k]), k
+    assert f"lm_head rows of {len(shared)} of {len(new_ids)} draft tokens carried over" in capsys.readouterr().out
+    same = _trainer({**inputs, "warm_start": str(current_draft), "out_dir": str(tmp_path / "s")}, tmp_path / "s.partial")
+    assert all(torch.equal(v, w[k]) for k, v in same.draft.trainable_state_dict().items())  # the same vocabulary: all
+
+
+def test_warm_start_of_another_shape_is_refused_by_name(inputs, current_draft, tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    from remote.train import main
+
+    w = load_file(str(current_draft / "model.safetensors"))
+    w["fc.weight"], w["norm.weight"] = torch.zeros(32, 3 * 32), torch.ones(32)  # a draft of hidden size 32
+    (tmp_path / "other").mkdir()
+    save_file(w, str(tmp_path / "other" / "model.safetensors"))
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({**inputs, "warm_start": str(tmp_path / "other"), "out_dir": str(tmp_path / "out")}))
+    assert main(["--config", str(cfg)]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "fc.weight (32, 96) (this draft: (64, 192))" in err and "norm.weight (32,) (this draft: (64,))" in err
+    assert "hidden size 64" in err and not (tmp_path / "out").exists()
