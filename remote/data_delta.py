@@ -24,12 +24,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from remote.chat_data import ReadReport, read_conversations
 from remote.prepare import split_of
-from remote.step import BadInput, StepOutput, load_config, log, step_main
+from remote.step import BadInput, begin_step, log, step_main
 
 STEP = "data_delta"
 STATE = "state.json"
@@ -83,10 +83,8 @@ def next_state(state: dict, manifest: dict, run_name: str, **record) -> dict:
 
 
 def run(raw: dict) -> dict:
-    cfg = load_config(DataDeltaConfig, raw, where="data_delta config")
-    out = StepOutput(cfg.out_dir, STEP, asdict(cfg))
-    if (done := out.done()) is not None:
-        log(f"{cfg.out_dir}: already done ({done['counts']['new']} new)")
+    cfg, out, done = begin_step(DataDeltaConfig, raw, STEP, summary=lambda m: f"{m['counts']['new']} new")
+    if done is not None:
         return done
     state = read_state(cfg.state_dir)
     seen = read_seen(state)

@@ -13,14 +13,14 @@ a short model card (target, data fingerprint, figures).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from remote.draft.config import DraftConfig
-from remote.step import BadInput, StepOutput, load_config, log, read_manifest, step_main, write_json_atomic
+from remote.step import BadInput, begin_step, read_manifest, step_main, write_json_atomic
 from remote.vocab import DraftVocab
 
 STEP = "export"
@@ -99,11 +99,9 @@ def model_card(name: str, train_m: dict, vocab_m: dict | None, d: DraftConfig) -
 
 
 def run(raw: dict) -> dict:
-    cfg = load_config(ExportConfig, raw)
-    out = StepOutput(cfg.out_dir, STEP, asdict(cfg))
-    if (m := out.done()) is not None:
-        log(f"export: {cfg.out_dir} is already done")
-        return m
+    cfg, out, done = begin_step(ExportConfig, raw, STEP)
+    if done is not None:
+        return done
     train_m = read_manifest(cfg.train_dir)
     if train_m is None:
         raise BadInput(f"train_dir {cfg.train_dir}: no finished train step (no manifest.json)")

@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from remote.step import BadInput, StepOutput, load_config, log, step_main, write_json_atomic
+from remote.step import BadInput, begin_step, log, step_main, write_json_atomic
 
 STEP = "promote"
 CURRENT = "current"
@@ -137,10 +137,8 @@ def publish_draft(candidate: Path, drafts_root: Path, name: str, record: dict) -
 
 
 def run(raw: dict) -> dict:
-    cfg = load_config(PromoteConfig, raw, where="promote config")
-    out = StepOutput(cfg.out_dir, STEP, asdict(cfg))
-    if (done := out.done()) is not None:
-        log(f"already decided: {done['decision']['reason']}")
+    cfg, out, done = begin_step(PromoteConfig, raw, STEP, summary=lambda m: f"decided: {m['decision']['reason']}")
+    if done is not None:
         return done
     candidate = Path(cfg.candidate_dir)
     if not (candidate / "config.json").is_file():

@@ -183,6 +183,23 @@ def load_config(cls: type[T], data: dict, where: str = "config") -> T:
         raise BadInput(f"{where}: {e}") from e
 
 
+def begin_step(cls: type[T], raw: dict, step: str,
+               summary: Callable[[dict], str] | None = None) -> tuple[T, StepOutput, dict | None]:
+    """A step's first lines: its config (load_config), its output folder, and the manifest of an
+    earlier run that finished (logged, with `summary(manifest)` when given), else None.
+
+        cfg, out, done = begin_step(VocabConfig, raw, STEP)
+        if done is not None:
+            return done
+    """
+    cfg = load_config(cls, raw, where=f"{step} config")
+    out = StepOutput(cfg.out_dir, step, dataclasses.asdict(cfg))
+    done = out.done()
+    if done is not None:
+        log(f"{step}: {cfg.out_dir} is already done" + (f" ({summary(done)})" if summary else ""))
+    return cfg, out, done
+
+
 def step_main(name: str, run: Callable[[dict], dict | None], argv: list[str] | None = None) -> int:
     """The shared `main(argv)` of a remote step: parse --config, run, map errors to exit codes."""
     ap = argparse.ArgumentParser(prog=f"python -m remote.{name}", description=f"eaglet remote step: {name}")

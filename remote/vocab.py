@@ -20,14 +20,14 @@ target id is in the draft vocabulary.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from remote.step import BadInput, StepOutput, load_config, log, progress, step_main
+from remote.step import BadInput, begin_step, log, progress, step_main
 
 STEP = "vocab"
 VOCAB_FILE = "vocab.safetensors"
@@ -151,11 +151,9 @@ def _target_vocab_size(cfg: VocabConfig) -> int:
 
 
 def run(raw: dict) -> dict:
-    cfg = load_config(VocabConfig, raw)
-    out = StepOutput(cfg.out_dir, STEP, asdict(cfg))
-    if (m := out.done()) is not None:
-        log(f"vocab: {cfg.out_dir} is already done")
-        return m
+    cfg, out, done = begin_step(VocabConfig, raw, STEP)
+    if done is not None:
+        return done
     data = Path(cfg.data)
     parquet = data / "data.parquet" if data.is_dir() else data
     if not parquet.is_file():

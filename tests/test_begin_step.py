@@ -1,0 +1,33 @@
+"""remote.step.begin_step, the first lines of the vocab, export, data_delta and promote steps: the
+config checked by name, the output folder, an earlier finished run found (and said in the log)."""
+from dataclasses import dataclass
+
+import pytest
+
+from remote.step import BadInput, begin_step
+
+
+@dataclass(frozen=True)
+class Cfg:
+    out_dir: str
+    n: int = 3
+
+
+def test_begin_step_finds_only_a_finished_run(tmp_path, capsys):
+    raw = {"out_dir": str(tmp_path / "out"), "n": 4}
+    cfg, out, done = begin_step(Cfg, raw, "demo")
+    assert cfg == Cfg(str(tmp_path / "out"), 4) and done is None and out.config == raw
+    (out.open() / "a.txt").write_text("a")
+    assert begin_step(Cfg, raw, "demo")[2] is None  # staged, not published: not done
+    published = out.publish(counts={"a": 1})
+    capsys.readouterr()
+    _, _, done = begin_step(Cfg, raw, "demo", summary=lambda m: f"{m['counts']['a']} a")
+    assert done == published
+    assert f"demo: {tmp_path / 'out'} is already done (1 a)" in capsys.readouterr().out
+    (tmp_path / "out" / "a.txt").write_text("changed size")  # its files no longer check out
+    assert begin_step(Cfg, raw, "demo")[2] is None
+
+
+def test_begin_step_names_the_step_in_a_bad_config():
+    with pytest.raises(BadInput, match=r"demo config: unknown key\(s\) \['m'\]"):
+        begin_step(Cfg, {"out_dir": "x", "m": 1}, "demo")
