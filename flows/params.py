@@ -12,6 +12,7 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field
 
 from tasks.hosts import HostParams
+from tasks.multihost import DEFAULT_RDZV_PORT
 
 
 class _Params(BaseModel):
@@ -62,10 +63,19 @@ class EvalParams(_Params):
     online: bool = Field(True, description="measure acceptance in vLLM on the host (not only offline)")
 
 
+class RendezvousParams(_Params):
+    """torchrun's rendezvous of a run over several hosts, held by the first host (docs/HOSTS.md)."""
+
+    address: str = Field("", description="the first host as the other hosts reach it; empty: its hostname")
+    port: int = Field(DEFAULT_RDZV_PORT, ge=1, le=65535, description="TCP port of the rendezvous on the first host")
+
+
 class TrainDraftParams(_Params):
     """Everything one run of the training flow takes."""
 
-    host: HostParams = Field(default_factory=HostParams, description="where the steps run")
+    host: HostParams = Field(default_factory=HostParams, description="where the steps run (node 0 of several hosts: export and evaluation run here)")
+    extra_hosts: list[HostParams] = Field(default_factory=list, description="more GPU hosts: each captures its share of the samples, training spans them all")
+    rendezvous: RendezvousParams = Field(default_factory=RendezvousParams, description="where the hosts meet for training (with extra_hosts)")
     run_name: str = Field("", description="folder name under <root>/runs; empty: made from the date")
     target: TargetParams = Field(default_factory=TargetParams)
     data: DataParams = Field(default_factory=DataParams)

@@ -2,6 +2,7 @@
 
     python -m flows.train_draft                                   # the embedded demo, local host
     python -m flows.train_draft --preset deployments/smollm2-local.json --set train.epochs=1
+    python -m flows.train_draft --preset deployments/multi-host.json     # several GPU hosts (docs/HOSTS.md)
     prefect deployment run 'train-draft/manual' -p host='{...}'   # through a worker (README)
 
 Code ships first: every other step runs on the host, from the shipped code.
@@ -13,15 +14,18 @@ import json
 import sys
 import time
 
-from prefect import flow, get_run_logger
+from prefect import flow, get_run_logger, unmapped
 from pydantic import BaseModel
 
-from flows.params import CaptureParams, DataParams, EvalParams, TargetParams, TrainDraftParams, TrainParams
+from flows.params import (CaptureParams, DataParams, EvalParams, RendezvousParams, TargetParams, TrainDraftParams,
+                          TrainParams)
 from tasks.capture import capture_hidden_states, patch_worker
 from tasks.context import RunContext
+from tasks.errors import BadInputError
 from tasks.evaluate import evaluate_draft
 from tasks.host_slot import host_slot
 from tasks.hosts import HostParams
+from tasks.multihost import copy_vocab, rendezvous as plan_rendezvous, same_data
 from tasks.notify import notify_failure
 from tasks.prepare import embedded_default, prepare_data
 from tasks.ship import ship_code_task
@@ -40,6 +44,8 @@ class TrainDraftResult(BaseModel):
 @flow(name="train-draft", log_prints=True, on_failure=[notify_failure], on_crashed=[notify_failure])
 def train_draft(
     host: HostParams = HostParams(),
+    extra_hosts: list[HostParams] = [],  # noqa: B006 - Prefect parameters: never mutated
+    rendezvous: RendezvousParams = RendezvousParams(),
     run_name: str = "",
     target: TargetParams = TargetParams(),
     data: DataParams = DataParams(),
@@ -47,29 +53,44 @@ def train_draft(
     train: TrainParams = TrainParams(),
     eval: EvalParams = EvalParams(),
 ) -> TrainDraftResult:
-    """Prepare data, ship code, patch the worker, capture, build the vocab, train, export, evaluate."""
-    p = TrainDraftParams(host=host, run_name=run_name, target=target, data=data, capture=capture, train=train, eval=eval)
-    with host_slot(p.host):  # one run at a time on a host: a manual run and the nightly one queue here
-        code = ship_code_task(p.host)
-        ctx = RunContext(host=p.host, code=code, run_name=p.run_name or time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
+    """Prepare data, ship code, patch the worker, capture, build the vocab, train, export, evaluate.
+
+    With extra_hosts every step up to training runs on every host (capture: each its share of the
+    samples), training spans them all, and export and evaluation run on the first host."""
+    p = TrainDraftParams(host=host, extra_hosts=extra_hosts, rendezvous=rendezvous, run_name=run_name,
+                         target=target, data=data, capture=capture, train=train, eval=eval)
+    hosts = [p.host, *p.extra_hosts]
+    nodes = plan_rendezvous(hosts, p.rendezvous.port, p.rendezvous.address)  # node 0 first
+    with host_slot(*hosts):  # one run at a time on a host: a manual run and the nightly one queue here
+        codes = ship_code_task.map(hosts).result()
+        name = p.run_name or time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        ctxs = [RunContext(host=n.host, code=c, run_name=name, part=n.node_rank, parts=n.nnodes)
+                for n, c in zip(nodes, codes)]
+        ctx = ctxs[0]
         get_run_logger().info("run folder on %s: %s", p.host.name or p.host.kind, ctx.run_dir)
         if not p.target.model or not p.data.inputs:
-            p = _with_embedded_default(ctx, p)
+            p = _with_embedded_default(ctxs, p)
 
-        dataset = prepare_data(ctx, p.target, p.data)
-        patch_worker(ctx, p.target, p.capture)
-        captured = capture_hidden_states(ctx, p.target, dataset, p.capture)
+        datasets = prepare_data.map(ctxs, unmapped(p.target), unmapped(p.data)).result()
+        dataset = same_data(datasets, hosts)
+        patch_worker.map(ctxs, unmapped(p.target), unmapped(p.capture)).result()
+        captured = capture_hidden_states.map(ctxs, unmapped(p.target), datasets, unmapped(p.capture)).result()
         vocab = build_vocab(ctx, p.target, dataset, p.train)
-        checkpoint = train_draft_task(ctx, p.target, captured, vocab, p.train)
-        draft = export_draft(ctx, p.target, captured, vocab, checkpoint, dataset)
-        report = evaluate_draft(ctx, p.target, draft, dataset, captured, p.eval)
+        vocabs = [vocab, *copy_vocab.map(ctxs[1:], unmapped(ctx), unmapped(vocab)).result()]
+        checkpoint = train_draft_task.map(ctxs, unmapped(p.target), captured, vocabs, unmapped(p.train),
+                                          nodes).result()[0]  # every host at once: torchrun waits for all
+        draft = export_draft(ctx, p.target, captured[0], vocab, checkpoint, dataset)
+        report = evaluate_draft(ctx, p.target, draft, dataset, captured[0], p.eval)
     return TrainDraftResult(run_dir=ctx.run_dir, draft_dir=draft.path, data_fingerprint=dataset.fingerprint,
                             figures=report.figures)
 
 
-def _with_embedded_default(ctx: RunContext, p: TrainDraftParams) -> TrainDraftParams:
+def _with_embedded_default(ctxs: list[RunContext], p: TrainDraftParams) -> TrainDraftParams:
     """Fill an empty target or data with the embedded default (SmolLM2 and ShareGPT from PyPI)."""
-    demo = embedded_default(ctx, conversations=p.data.demo_conversations)
+    if len(ctxs) > 1:
+        raise BadInputError("a run over several hosts needs target.model and data.inputs (the same paths on "
+                            "every host); the embedded default is made under each host's own root")
+    demo = embedded_default(ctxs[0], conversations=p.data.demo_conversations)
     target = p.target if p.target.model else TargetParams(model=demo.model_dir, revision=demo.revision)
     data = p.data if p.data.inputs else p.data.model_copy(update={"inputs": [demo.data_path]})
     return p.model_copy(update={"target": target, "data": data})

@@ -13,7 +13,8 @@ The manifest (`<out_dir>/manifest.json`) lists the shards that hold this dataset
 
 Backends: "vllm" (the serving engine, tensor parallel; remote.capture_worker hooks its layers) and
 "transformers" (remote.capture_hf: plain HF forwards, packed; the numerical reference, and the path
-for hosts without vLLM). Both write the same shards.
+for hosts without vLLM). Both write the same shards. In a run over several hosts each host captures
+only its part of the samples (host_part of host_parts, chosen before either backend starts).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import numpy as np
 
 from remote.capture_cache import CaptureCache, SampleRow, ShardPlan, cache_key
 from remote.layers import TargetConfig, check_layer_ids, default_layer_ids
+from remote.prepare import host_of
 from remote.step import BadInput, StepOutput, emit, load_config, log, progress, step_main
 
 STEP = "capture"
@@ -60,6 +62,8 @@ class CaptureConfig:
     cpu_kvcache_gib: int = 2  # KV cache per rank on a CPU host (VLLM_CPU_KVCACHE_SPACE), GiB
     device: str = "auto"  # transformers backend: "auto" (cuda when there is one), "cuda", "cpu"
     trust_remote_code: bool = False  # let vLLM / transformers run the target's own code (its config classes)
+    host_part: int = 0  # this host's part of a run over host_parts hosts: it captures only the samples
+    host_parts: int = 1  # with remote.prepare.host_of(sample_id, host_parts) == host_part (1: all of them)
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -73,6 +77,8 @@ class CaptureConfig:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1]")
         if self.max_shard_gib <= 0:
             raise ValueError(f"max_shard_gib={self.max_shard_gib}: must be positive")
+        if not 0 <= self.host_part < self.host_parts:
+            raise ValueError(f"host_part={self.host_part} of host_parts={self.host_parts}: need 0 <= host_part < host_parts")
         if self.backend == "transformers" and self.tensor_parallel_size != 1:
             raise ValueError("the transformers backend runs on one device: set tensor_parallel_size=1")
 
@@ -118,6 +124,18 @@ def read_dataset(path: str | os.PathLike, vocab_size: int) -> list[SampleRow]:
     if not rows:
         raise BadInput(f"dataset {path} has no samples")
     return rows
+
+
+def host_share(samples: list[SampleRow], cfg: CaptureConfig) -> list[SampleRow]:
+    """The samples this host captures: all of them, or its part of a run over several hosts."""
+    if cfg.host_parts == 1:
+        return samples
+    mine = [s for s in samples if host_of(s.sample_id, cfg.host_parts) == cfg.host_part]
+    if not mine:
+        raise BadInput(f"dataset {cfg.dataset}: none of its {len(samples)} samples falls to host part "
+                       f"{cfg.host_part} of {cfg.host_parts}; use fewer hosts for this little data")
+    log(f"host part {cfg.host_part} of {cfg.host_parts}: {len(mine)} of {len(samples)} samples")
+    return mine
 
 
 # ----------------------------------------------------------------------------- progress
@@ -339,7 +357,7 @@ def run(raw: dict) -> dict:
     layer_ids = check_layer_ids(cfg.layer_ids if cfg.layer_ids is not None else default_layer_ids(target.num_layers),
                                 target.num_layers)
     dtype = resolve_dtype(cfg, target)
-    samples = read_dataset(cfg.dataset, target.vocab_size)
+    samples = host_share(read_dataset(cfg.dataset, target.vocab_size), cfg)
     max_len = max(int(s.input_ids.size) for s in samples)
     if cfg.max_model_len and max_len + 1 > cfg.max_model_len:
         longest = max(samples, key=lambda s: s.input_ids.size)

@@ -89,6 +89,14 @@ def split_of(sample_id: str, heldout_permille: int) -> str:
     return "heldout" if int(sample_id[:8], 16) % 1000 < heldout_permille else "train"
 
 
+def host_of(sample_id: str, n_hosts: int) -> int:
+    """The host (0..n-1) that captures this sample in a run over n hosts, from its hash alone. Uses
+    other hex digits than split_of (the first 8), so every host gets its share of both splits."""
+    if n_hosts < 1:
+        raise ValueError(f"n_hosts={n_hosts}: need at least one host")
+    return int(sample_id[8:16], 16) % n_hosts
+
+
 # ----------------------------------------------------------------------------- rendering + tokens
 class ChatTokenizer:
     """The target's tokenizer and chat template, turning conversations into (input_ids, loss_mask)."""

@@ -5,9 +5,12 @@
     #  "nproc_per_node": 8}
 
 With nproc_per_node (or nnodes) above 1 this process re-runs itself under torchrun, one process a
-GPU (or that many gloo processes on a CPU); several hosts join through torchrun's rendezvous
-(nnodes, node_rank, rdzv_endpoint, the same config on every host). The inputs are checked before
-the launch, so a bad input still exits 65.
+GPU (or that many gloo processes on a CPU); several hosts join through torchrun's c10d rendezvous
+(nnodes, node_rank, rdzv_endpoint, local_addr). With several hosts each host trains on the capture
+on its own disk (its share of the samples): it plans its own micro-batches and splits them over its
+ranks, and every host takes as many optimizer steps as the host with the fewest. The draft is
+written on node 0 (node_rank 0); the other hosts publish a manifest of what they trained. The
+inputs are checked before the launch, so a bad input still exits 65.
 
 Parallelism is DDP, not FSDP: the trainable draft is ~0.4B (Llama-8B shape) to ~1.2B (Kimi-K2.5)
 parameters, whose fp32 weights, grads and AdamW moments (16 B/param, <20 GB) fit every GPU; the
@@ -79,6 +82,7 @@ class TrainConfig:
     nnodes: int = 1  # hosts in the job
     node_rank: int = 0  # this host's index (0 runs the rendezvous when rdzv_endpoint is empty)
     rdzv_endpoint: str = ""  # host:port of the rendezvous for nnodes > 1
+    local_addr: str = ""  # this host's address as the other hosts reach it (torchrun --local-addr); "": its hostname
     log_every: int = 1  # emit a train event every this many steps
 
     def __post_init__(self):
@@ -113,16 +117,17 @@ class Trainer:
         self._build_model()
         if self.head.other_rows is not None:
             self._precompute_in_draft()
-        self.micro = dist.world * cfg.grad_accum  # micro-batches per optimizer step, all ranks
+        self.micro = dist.local_world * cfg.grad_accum  # micro-batches per optimizer step of this host's ranks
         self.plans = []  # per epoch: the packing plan, cut to whole optimizer steps
         epochs = math.ceil(cfg.epochs) if not cfg.max_steps else 10 ** 9
         steps = 0
         for e in range(epochs):
             plan = pack(self.index.lengths, cfg.token_budget, cfg.seed, e)
-            n = len(plan) // self.micro
+            n = int(dist.all_reduce(torch.tensor(len(plan) // self.micro, device=dist.device), op="min"))
             if n == 0:
-                raise BadInput(f"{len(plan)} micro-batches of {cfg.token_budget} tokens are fewer than one optimizer "
-                               f"step needs ({self.micro} = world {dist.world} x grad_accum {cfg.grad_accum})")
+                raise BadInput(f"{len(plan)} micro-batches of {cfg.token_budget} tokens (on the host with the fewest) "
+                               f"are fewer than one optimizer step needs ({self.micro} = {dist.local_world} processes "
+                               f"x grad_accum {cfg.grad_accum})")
             self.plans.append(plan[: n * self.micro])
             steps += n
             if cfg.max_steps and steps >= cfg.max_steps:
@@ -134,6 +139,7 @@ class Trainer:
         self.ckpt = Checkpoints(stage / "checkpoints", keep=cfg.keep_checkpoints)
         self.history: list[dict] = []
         self.step = 0
+        self.my_tokens = 0  # tokens this rank trained on in this run (a resumed run counts from the resume)
 
     def _build_model(self):
         cfg, dev = self.cfg, self.dist.device
@@ -222,7 +228,7 @@ class Trainer:
         for plan in self.plans:
             n = len(plan) // self.micro
             if step < n:
-                first = step * self.micro + self.dist.rank * self.cfg.grad_accum
+                first = step * self.micro + self.dist.local_rank * self.cfg.grad_accum
                 return plan[first: first + self.cfg.grad_accum]
             step -= n
         raise AssertionError("step beyond the data plan")
@@ -241,7 +247,7 @@ class Trainer:
             offsets.append(offsets[-1] + n)
         flat = torch.zeros(offsets[-1], dtype=torch.uint8, device=dev)
         group: list[int] = []
-        mine = list(range(self.dist.rank, len(lengths), self.dist.world))
+        mine = list(range(self.dist.local_rank, len(lengths), self.dist.local_world))
         for j, i in enumerate(mine):
             group.append(i)
             if j + 1 < len(mine) and sum(lengths[g] for g in group) + lengths[mine[j + 1]] <= self.cfg.token_budget:
@@ -254,7 +260,7 @@ class Trainer:
                 flat[offsets[g]:offsets[g + 1]] = f[pos:pos + lengths[g]]
                 pos += lengths[g]
             group = []
-        flat = self.dist.all_reduce(flat).cpu()
+        flat = self.dist.all_reduce(flat, node=True).cpu()
         self.index.set_in_draft([flat[offsets[i]:offsets[i + 1]] for i in range(len(lengths))])
         self.head.other_rows = None
         share = float(flat.float().mean()) if len(flat) else 0.0
@@ -275,7 +281,9 @@ class Trainer:
         stats, gnorm = optimizer_step(self.model, self.head, batches, self.opt, self.params, self.dist,
                                       cfg.ttt_steps, cfg.grad_clip)
         self.sched.step()
-        tokens = self.dist.all_reduce(torch.tensor(float(sum(b.n_tokens for b in host)), device=dev))
+        mine = sum(b.n_tokens for b in host)
+        self.my_tokens += mine
+        tokens = self.dist.all_reduce(torch.tensor(float(mine), device=dev))
         n = stats[:, 2].clamp(min=1)
         per_step = stats[:, 0] / n
         weights = torch.tensor([cfg.step_decay ** k for k in range(cfg.ttt_steps)], device=dev)
@@ -292,16 +300,20 @@ class Trainer:
             rec = self.train_step()
             self.history.append(rec)
             tokens += rec["tokens"]
-            if self.dist.rank == 0 and (self.step % self.cfg.log_every == 0 or self.step == self.total_steps):
+            if self.dist.local_rank == 0 and (self.step % self.cfg.log_every == 0 or self.step == self.total_steps):
                 emit("train", step=rec["step"], loss=rec["loss"], acc=rec["acc"], lr=rec["lr"],
                      tokens_per_s=rec["tokens"] / rec["seconds"])
                 progress(self.step, self.total_steps, what="steps", loss=round(rec["loss"], 4))
             if self.step % self.cfg.checkpoint_every == 0 or self.step == self.total_steps:
                 path = self.ckpt.save(self.step, self.draft, self.opt, self.sched, self.history, self.dist)
-                if self.dist.rank == 0:
+                if self.dist.local_rank == 0:
                     emit("checkpoint", step=self.step, path=str(path))
         elapsed = time.perf_counter() - t_start
-        return {"tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0, "train_seconds": elapsed}
+        by_node: dict[str, int] = {}
+        for node, n in self.dist.gather_objects((self.cfg.node_rank, self.my_tokens)):
+            by_node[str(node)] = by_node.get(str(node), 0) + n
+        return {"tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0, "train_seconds": elapsed,
+                "tokens_by_node": by_node}
 
 
 def optimizer_step(model, head: TargetHead, batches, opt, params, dist: Distributed, ttt_steps: int,
@@ -368,7 +380,7 @@ def train(cfg: TrainConfig) -> dict | None:
         return m
     dist = Distributed.from_env(cfg.device)
     stage = out.staging
-    if dist.rank == 0:
+    if dist.local_rank == 0:
         out.open()
     dist.barrier()
     try:
@@ -377,29 +389,39 @@ def train(cfg: TrainConfig) -> dict | None:
     except BadInput as e:
         (stage / f"bad_input.rank{dist.rank}.txt").write_text(str(e))  # the launcher reads it back
         raise
-    dist.barrier()
-    if dist.rank != 0:
-        dist.close()
-        return None
     last = trainer.history[-1]
+    figures.update(final_loss=last["loss"], final_acc=last["acc"], steps=trainer.step)
+    counts = {"train_samples": len(trainer.index.refs), "steps": trainer.step, "world_size": dist.world,
+              "nnodes": cfg.nnodes, "tokens": sum(r["tokens"] for r in trainer.history)}
+    dist.barrier()
+    m = None
+    if dist.local_rank == 0 and cfg.node_rank == 0:
+        m = _publish_draft(cfg, out, trainer, counts, figures)
+    dist.barrier()  # the other hosts say they are done only once node 0 has published the draft
+    if dist.local_rank == 0 and cfg.node_rank > 0:
+        m = out.publish(counts=counts, figures=figures,
+                        train={"node_rank": cfg.node_rank, "draft_on_node": 0, "loss_points": _loss_points(trainer.history)})
+    dist.close()
+    return m
+
+
+def _publish_draft(cfg: TrainConfig, out: StepOutput, trainer: Trainer, counts: dict, figures: dict) -> dict:
+    """Write the trained draft (weights, config, loss curve) into the staging folder and publish it."""
     from safetensors.torch import save_file
 
+    stage = out.staging
     save_file({k: v.detach().float().cpu().contiguous() for k, v in trainer.draft.trainable_state_dict().items()},
               str(stage / "model.safetensors"))
     write_json_atomic(stage / "draft_config.json", trainer.dcfg.to_dict())
     (stage / "loss.jsonl").write_text("".join(json.dumps(r) + "\n" for r in trainer.history))
-    figures.update(final_loss=last["loss"], final_acc=last["acc"], steps=trainer.step)
-    m = out.publish(
-        counts={"train_samples": len(trainer.index.refs), "steps": trainer.step, "world_size": dist.world,
-                "tokens": sum(r["tokens"] for r in trainer.history)},
+    return out.publish(
+        counts=counts,
         figures=figures,
         train={"weights": "model.safetensors", "draft_config": "draft_config.json", "loss_curve": "loss.jsonl",
                "layer_ids": list(trainer.capture.layer_ids), "target": str(trainer.target),
                "capture_dir": cfg.capture_dir, "vocab_dir": cfg.vocab_dir, "data_fingerprint": _fingerprint(cfg.capture_dir),
                "loss_points": _loss_points(trainer.history)},
     )
-    dist.close()
-    return m
 
 
 # ----------------------------------------------------------------------------- launching
@@ -417,7 +439,11 @@ def launch(cfg: TrainConfig, raw: dict) -> dict | None:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={cfg.nproc_per_node}"]
     if cfg.nnodes > 1:
         cmd += [f"--nnodes={cfg.nnodes}", f"--node-rank={cfg.node_rank}", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint={cfg.rdzv_endpoint}"]
+                f"--rdzv-endpoint={cfg.rdzv_endpoint}",
+                # node 0 holds the rendezvous store: said outright, as torchrun's guess from the hostname
+                # misses when the endpoint is an address the hostname does not resolve to
+                f"--rdzv-conf=is_host={int(cfg.node_rank == 0)}"]
+        cmd += [f"--local-addr={cfg.local_addr}"] if cfg.local_addr else []
     else:
         cmd += ["--standalone"]
     cmd += ["-m", "remote.train", "--config", str(cfg_path)]

@@ -29,6 +29,8 @@ class Distributed:
     world: int
     local_rank: int
     device: torch.device
+    local_world: int = 1  # processes on this host; several hosts: each host trains on its own capture
+    node_group: object = None  # the process group of this host's ranks (several hosts only)
 
     @classmethod
     def from_env(cls, device: str = "auto") -> "Distributed":
@@ -46,7 +48,10 @@ class Distributed:
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
         if world > 1 and not tdist.is_initialized():
             tdist.init_process_group("nccl" if use_cuda else "gloo", device_id=dev if use_cuda else None)
-        return cls(rank, world, local_rank, dev)
+        node_group = None
+        if local_world < world:  # torchrun numbers each host's ranks contiguously
+            node_group, _ = tdist.new_subgroups(group_size=local_world)
+        return cls(rank, world, local_rank, dev, local_world, node_group)
 
     def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
         if self.world == 1:
@@ -62,9 +67,11 @@ class Distributed:
         """Skip the gradient all-reduce on all but the last accumulated micro-batch."""
         return model.no_sync() if self.world > 1 and not last else contextlib.nullcontext()
 
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        if self.world > 1:
-            tdist.all_reduce(t)
+    def all_reduce(self, t: torch.Tensor, op: str = "sum", node: bool = False) -> torch.Tensor:
+        """Sum (or "min") over every rank, or over this host's ranks only (node=True)."""
+        if (self.local_world if node else self.world) > 1:
+            tdist.all_reduce(t, op=tdist.ReduceOp.MIN if op == "min" else tdist.ReduceOp.SUM,
+                             group=self.node_group if node else None)
         return t
 
     def gather_objects(self, obj) -> list:
@@ -112,8 +119,8 @@ def _fsync_tree(d: Path) -> None:
 class Checkpoints:
     """step-NNNNNNNN/ folders: model.safetensors, optimizer.pt, state.pt, meta.json.
 
-    Written under a dot-name by rank 0 and renamed when whole: a kill mid-save leaves the previous
-    checkpoint as the newest one.
+    Written under a dot-name by each host's first rank (every host resumes from its own disk) and
+    renamed when whole: a kill mid-save leaves the previous checkpoint as the newest one.
     """
 
     def __init__(self, root: Path, keep: int = 1):
@@ -127,7 +134,7 @@ class Checkpoints:
     def save(self, step: int, draft, opt, sched, history: list[dict], dist: Distributed) -> Path:
         rngs = dist.gather_objects(_rng_state())
         final = self.root / f"step-{step:08d}"
-        if dist.rank == 0:
+        if dist.local_rank == 0:
             tmp = self.root / f".tmp-step-{step:08d}"
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)

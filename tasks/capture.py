@@ -8,7 +8,8 @@ Both are thin: build the step's config from the flow's parameters, run `remote.p
 events into a progress artifact), and return paths and figures, never tensors. The capture's
 figures (tokens, bytes, bytes per token, tokens/s, wall time) become a table artifact of the run.
 The shards live in the host's cache (<root>/cache/captures/<key>/): a retry or the next night's run
-captures only what the cache lacks.
+captures only what the cache lacks. In a run over several hosts each host captures its part of the
+samples (ctx.part of ctx.parts, tasks/multihost.py), mapped over the hosts by the flow.
 """
 from __future__ import annotations
 
@@ -66,7 +67,8 @@ def capture_config(ctx: RunContext, dataset: Any, target: Any, capture: Any) -> 
     """The remote config of remote.capture from the flow's parameters and the prepared dataset."""
     return {**_shared(target, capture), "dataset": dataset.path, "out_dir": ctx.step_dir("capture"),
             "cache_root": ctx.cache_root, "target_revision": target.revision, "backend": capture.backend,
-            "samples_per_shard": capture.samples_per_shard, "max_num_seqs": capture.max_num_seqs}
+            "samples_per_shard": capture.samples_per_shard, "max_num_seqs": capture.max_num_seqs,
+            "host_part": ctx.part, "host_parts": ctx.parts}
 
 
 def figures_table(manifest: dict) -> list[dict]:

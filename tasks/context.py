@@ -26,6 +26,8 @@ class RunContext:
     host: HostParams
     code: ShippedCode
     run_name: str
+    part: int = 0  # this host's index in a run over several hosts (node 0 first)
+    parts: int = 1  # hosts in the run
 
     @property
     def root(self) -> str:

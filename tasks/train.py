@@ -7,7 +7,8 @@
 Thin, like every step task: build the remote step's config (the *_config functions, tested
 directly), run it through the host (tasks.context.RunContext.run_step: log lines, progress,
 manifest), turn what came back into artifacts. Training runs `remote.train`, which itself starts
-torchrun when `nproc_per_node` > 1, so the task is the same for one GPU and eight. Its loss curve
+torchrun when `nproc_per_node` > 1, so the task is the same for one GPU and eight (and, given a `node`,
+for each host of a run over several; the flow maps it over them). Its loss curve
 (in the train manifest) becomes an inline-SVG markdown artifact (no plotting library).
 """
 from __future__ import annotations
@@ -48,12 +49,18 @@ def vocab_config(out_dir: str, target: Any, dataset: Any, params: Any) -> dict:
             "out_dir": out_dir}
 
 
-def train_config(out_dir: str, target: Any, captured: Any, vocab: DraftVocabInfo, params: Any) -> dict:
-    """remote.train's config from the flow's TrainParams."""
-    return {"capture_dir": captured.path, "vocab_dir": vocab.path, "target": target.model, "out_dir": out_dir,
-            "ttt_steps": params.ttt_steps, "epochs": params.epochs, "lr": params.lr,
-            "token_budget": params.batch_tokens, "nproc_per_node": params.nproc_per_node,
-            "checkpoint_every": params.checkpoint_every, "warm_start": params.warm_start}
+def train_config(out_dir: str, target: Any, captured: Any, vocab: DraftVocabInfo, params: Any,
+                 node: Any = None) -> dict:
+    """remote.train's config from the flow's TrainParams; `node` (a tasks.multihost.NodeLaunch of a
+    run over several hosts) adds where this host joins torchrun's rendezvous."""
+    cfg = {"capture_dir": captured.path, "vocab_dir": vocab.path, "target": target.model, "out_dir": out_dir,
+           "ttt_steps": params.ttt_steps, "epochs": params.epochs, "lr": params.lr,
+           "token_budget": params.batch_tokens, "nproc_per_node": params.nproc_per_node,
+           "checkpoint_every": params.checkpoint_every, "warm_start": params.warm_start}
+    if node is not None and node.nnodes > 1:
+        cfg.update(nnodes=node.nnodes, node_rank=node.node_rank, rdzv_endpoint=node.rdzv_endpoint,
+                   local_addr=node.local_addr)
+    return cfg
 
 
 def export_config(out_dir: str, trained: TrainedDraft, vocab: DraftVocabInfo) -> dict:
@@ -90,12 +97,18 @@ def build_vocab(ctx: RunContext, target: Any, dataset: Any, params: Any) -> Draf
 
 
 @step_task(name="train-draft")
-def train_draft(ctx: RunContext, target: Any, captured: Any, vocab: DraftVocabInfo, params: Any) -> TrainedDraft:
+def train_draft(ctx: RunContext, target: Any, captured: Any, vocab: DraftVocabInfo, params: Any,
+                node: Any = None) -> TrainedDraft:
+    """Train on this host; in a run over several hosts, this host's node of the torchrun job (the
+    flow starts every node at once; the draft is written on node 0)."""
     out_dir = ctx.step_dir("train")
-    m = ctx.run_step("train", train_config(out_dir, target, captured, vocab, params), timeout=TRAIN_TIMEOUT_S,
+    m = ctx.run_step("train", train_config(out_dir, target, captured, vocab, params, node), timeout=TRAIN_TIMEOUT_S,
                      title="Draft training")
-    # the manifest's curve, not the streamed events: those of a resumed or skipped run are partial or none
-    create_markdown_artifact(key="draft-training", markdown=loss_curve_markdown(m["train"]["loss_points"], m["figures"]))
+    c = m["counts"]
+    get_run_logger().info("trained %d steps, world size %d over %d host(s); tokens by host %s",
+                          c["steps"], c["world_size"], c.get("nnodes", 1), m["figures"].get("tokens_by_node"))
+    if ctx.part == 0:  # the manifest's curve, not the streamed events: those of a resumed or skipped run are partial
+        create_markdown_artifact(key="draft-training", markdown=loss_curve_markdown(m["train"]["loss_points"], m["figures"]))
     return TrainedDraft(path=out_dir, steps=m["counts"]["steps"], figures=m["figures"])
 
 
