@@ -75,12 +75,10 @@ def same_data(datasets: list[Any], hosts: list[HostParams]) -> Any:
 
 # ----------------------------------------------------------------------------- the vocab, node 0 -> the others
 def _sums(host: Host, folder: str, names: list[str]) -> dict[str, str]:
-    """sha256 of these files of a folder on the host, computed there."""
+    """sha256 of these files of a folder on the host, computed there (a missing file is left out)."""
     lines: list[str] = []
-    r = host.run(["sha256sum", "--", *names], cwd=folder, timeout=COPY_TIMEOUT_S,
-                 on_line=lambda stream, line: lines.append(line) if stream == "stdout" else None)
-    if r.exit_code != 0:
-        raise RemoteFault(f"sha256sum in {folder} on {host.name} exited {r.exit_code}: {' '.join(r.stderr_tail[-5:])}")
+    host.run(["sha256sum", "--", *names], cwd=folder, timeout=COPY_TIMEOUT_S,
+             on_line=lambda stream, line: lines.append(line) if stream == "stdout" else None)
     return {name.lstrip("*"): digest for digest, name in (line.split(None, 1) for line in lines)}
 
 

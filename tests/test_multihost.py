@@ -134,3 +134,27 @@ def test_training_flow_over_two_hosts(prefect_harness, two_hosts, tiny_llama, tm
     print(f"\ntwo-host flow: {seconds:.1f} s; world size {ma['train']['counts']['world_size']}, "
           f"tokens by host {by_node}, train samples A {ma['train']['counts']['train_samples']}, "
           f"B {mb['train']['counts']['train_samples']}")
+
+
+@pytest.mark.ssh
+def test_copy_step_dir_checks_both_ends_and_skips_what_is_there(sshd, tmp_path):
+    from remote.step import StepOutput
+    from tasks.errors import RemoteFault
+    from tasks.hosts import HostParams
+    from tasks.multihost import copy_step_dir
+
+    src_dir, dst_dir = tmp_path / "a" / "vocab", tmp_path / "b" / "vocab"
+    out = StepOutput(src_dir, "vocab", {})
+    (out.open() / "vocab.safetensors").write_bytes(b"x" * 1000)
+    out.publish()
+    with open_host(HostParams(root=str(tmp_path / "a"))) as src, open_host(sshd.params(root=str(tmp_path / "b"))) as dst:
+        assert copy_step_dir(src, str(src_dir), dst, str(dst_dir)) > 1000
+        assert (dst_dir / "vocab.safetensors").read_bytes() == b"x" * 1000 and (dst_dir / "manifest.json").is_file()
+        assert copy_step_dir(src, str(src_dir), dst, str(dst_dir)) == 0, "already there: nothing moves"
+        (dst_dir / "vocab.safetensors").write_bytes(b"y" * 1000)  # damaged on the destination: copied again
+        assert copy_step_dir(src, str(src_dir), dst, str(dst_dir)) > 1000
+        assert (dst_dir / "vocab.safetensors").read_bytes() == b"x" * 1000
+        (src_dir / "vocab.safetensors").write_bytes(b"z" * 1000)  # the source no longer matches its manifest
+        with pytest.raises(RemoteFault, match="differ from its manifest"):
+            copy_step_dir(src, str(src_dir), dst, str(tmp_path / "b" / "other"))
+        assert not (tmp_path / "b" / "other").exists() and not (tmp_path / "b" / "other.incoming").exists()
