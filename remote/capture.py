@@ -18,9 +18,11 @@ only its part of the samples (host_part of host_parts, chosen before either back
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -62,6 +64,7 @@ class CaptureConfig:
     cpu_kvcache_gib: int = 2  # KV cache per rank on a CPU host (VLLM_CPU_KVCACHE_SPACE), GiB
     device: str = "auto"  # transformers backend: "auto" (cuda when there is one), "cuda", "cpu"
     trust_remote_code: bool = False  # let vLLM / transformers run the target's own code (its config classes)
+    engine_start_s: float = 1800.0  # seconds vLLM may take to start (load the weights, warm up); then it fails
     host_part: int = 0  # this host's part of a run over host_parts hosts: it captures only the samples
     host_parts: int = 1  # with remote.prepare.host_of(sample_id, host_parts) == host_part (1: all of them)
 
@@ -77,6 +80,8 @@ class CaptureConfig:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1]")
         if self.max_shard_gib <= 0:
             raise ValueError(f"max_shard_gib={self.max_shard_gib}: must be positive")
+        if self.engine_start_s <= 0:
+            raise ValueError(f"engine_start_s={self.engine_start_s}: must be positive")
         if not 0 <= self.host_part < self.host_parts:
             raise ValueError(f"host_part={self.host_part} of host_parts={self.host_parts}: need 0 <= host_part < host_parts")
         if self.backend == "transformers" and self.tensor_parallel_size != 1:
@@ -170,6 +175,65 @@ OnWritten = Callable[[ShardPlan], None]
 
 
 # ----------------------------------------------------------------------------- the vLLM backend
+ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+END_GRACE_S = 5.0  # after SIGTERM, seconds the engine's processes get before SIGKILL
+
+
+class EngineStartTimedOut(Exception):
+    """vLLM was not up within engine_start_s (raised in the main thread by SIGALRM)."""
+
+
+def _ended_by_signal(signum, frame):
+    """SIGTERM / SIGHUP: unwind (SystemExit passes the step's error handling), so close() ends the engine."""
+    for sig in ENDING_SIGNALS:  # once: a second signal must not cut the shutdown short
+        signal.signal(sig, signal.SIG_IGN)
+    raise SystemExit(128 + signum)
+
+
+def _start_timed_out(signum, frame):
+    raise EngineStartTimedOut("not up within engine_start_s")
+
+
+def child_pids() -> set[int]:
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def end_child_processes(spared: set[int], grace_s: float = END_GRACE_S) -> list[str]:
+    """SIGTERM the processes below this one (vLLM's engine core, its workers) but the spared ones and
+    multiprocessing's resource tracker (it ends with this process, after cleaning up shared memory);
+    SIGKILL those left after grace_s. Returns the ones that had to be killed."""
+    import psutil
+
+    children = []
+    for p in psutil.Process().children(recursive=True):
+        with _gone_is_fine():
+            if p.pid not in spared and "resource_tracker" not in " ".join(p.cmdline()):
+                children.append(p)
+    for p in children:
+        with _gone_is_fine():
+            p.terminate()
+    _, alive = psutil.wait_procs(children, timeout=grace_s)
+    killed = []
+    for p in alive:
+        with _gone_is_fine():
+            killed.append(f"{p.pid} {p.name()}")
+            p.kill()
+    psutil.wait_procs(alive, timeout=grace_s)
+    return killed
+
+
+@contextlib.contextmanager
+def _gone_is_fine():
+    import psutil
+
+    try:
+        yield
+    except psutil.NoSuchProcess:
+        pass
+
+
 class VllmCapture:
     """A vLLM engine with the capture extension: `capture` writes shards, `prefill` only runs them.
 
@@ -185,6 +249,8 @@ class VllmCapture:
         self.llm = None
         self.startup_s = 0.0
         self.layers_path = ""  # where the hooked decoder layers sit in vLLM's model (set by capture)
+        self._handlers: dict = {}  # the signal handlers start() replaced, put back by close()
+        self._spared: set[int] | None = None  # child processes from before start(); None: not started
 
     def engine_kwargs(self, on_cpu: bool) -> dict:
         kw = dict(
@@ -215,14 +281,38 @@ class VllmCapture:
                 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", report.cpu_threads_bind)
         from vllm import LLM
 
-        self.llm = LLM(**self.engine_kwargs(report.kind == "cpu"))
+        # Signalled, the step unwinds through close(), which ends the engine's processes; a start that
+        # hangs (a worker gone, a peer never reached) ends at engine_start_s instead of vLLM's own
+        # timeouts (VLLM_ENGINE_READY_TIMEOUT_S and the collectives', minutes each).
+        self._handlers = {sig: signal.signal(sig, _ended_by_signal) for sig in ENDING_SIGNALS}
+        self._spared = child_pids()  # processes that were there before: not the engine's to end
+        os.environ.setdefault("VLLM_ENGINE_READY_TIMEOUT_S", str(int(self.cfg.engine_start_s)))
+        previous_alarm = signal.signal(signal.SIGALRM, _start_timed_out)
+        signal.setitimer(signal.ITIMER_REAL, self.cfg.engine_start_s)
+        try:
+            self.llm = LLM(**self.engine_kwargs(report.kind == "cpu"))
+        except Exception as e:
+            raise RuntimeError(f"vLLM could not start target {self.cfg.target} (TP={self.cfg.tensor_parallel_size}, "
+                               f"engine_start_s={self.cfg.engine_start_s:g}): {type(e).__name__}: {e}") from e
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous_alarm)
         self.startup_s = time.monotonic() - t0
         log(f"vLLM engine up in {self.startup_s:.1f} s (TP={self.cfg.tensor_parallel_size}, {self.dtype})")
 
     def close(self) -> None:
-        if self.llm is not None:
-            self.llm.llm_engine.engine_core.shutdown()
-            self.llm = None
+        """Shut the engine down and end whatever of it is left: nothing outlives the capture."""
+        try:
+            if self.llm is not None:
+                self.llm, llm = None, self.llm
+                llm.llm_engine.engine_core.shutdown()
+        finally:
+            if self._spared is not None and (killed := end_child_processes(self._spared)):
+                log(f"vLLM processes that outlived the engine's shutdown, killed: {', '.join(killed)}")
+            self._spared = None
+            for sig, handler in self._handlers.items():
+                signal.signal(sig, handler)
+            self._handlers = {}
 
     def _rank0(self, method: str, *args) -> dict:
         """Call a worker method on every rank; the answer of the one rank that captures."""
