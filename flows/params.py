@@ -61,6 +61,13 @@ class EvalParams(_Params):
     max_tokens: int = Field(64, ge=1, description="tokens generated per prompt")
     temperature: float = Field(0.0, ge=0, description="sampling temperature of the second online run (0: greedy only)")
     online: bool = Field(True, description="measure acceptance in vLLM on the host (not only offline)")
+    baseline: bool = Field(True, description="also decode with the target alone: the speed-up's denominator")
+    ngram: bool = Field(True, description="also measure vLLM's n-gram (prompt lookup) speculation, a draft-free baseline")
+    max_seconds: float = Field(300.0, gt=0, description="generation time budget of the baseline arm; the prompts it reaches are used by every arm")
+    max_num_seqs: int = Field(8, ge=1, description="requests decoded together online (speculation pays most at small batches)")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs the target is split over in the online run")
+    dtype: str = Field("auto", description="vLLM dtype of the target online ('auto': its config's)")
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="share of each GPU vLLM may take online")
 
 
 class RendezvousParams(_Params):
