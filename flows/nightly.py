@@ -40,7 +40,7 @@ class NightlyParams(_Params):
     margin: float = Field(0.05, ge=0, description="promote only when the metric beats the current draft's by more than this")
     metric: str = Field("acceptance_length", description="the evaluation figure compared (higher is better)")
     warm_start: bool = Field(False, description="start training from the current draft (false: from scratch); "
-                             "the night's draft vocabulary must then equal the current draft's")
+                             "lm_head rows of tokens new to the night's draft vocabulary start from the target's")
 
 
 class NightlyRunParams(TrainDraftParams):
