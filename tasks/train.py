@@ -20,7 +20,7 @@ from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel
 
 from tasks.context import RunContext, step_task
-from tasks.evaluate import svg_line
+from tasks.evaluate import markdown_image, svg_line
 
 VOCAB_TIMEOUT_S = 3600  # a pass over data.parquet: minutes for millions of samples
 TRAIN_TIMEOUT_S = 48 * 3600  # a Kimi-K2.5 draft on a large capture trains for many hours
@@ -68,13 +68,13 @@ def export_config(out_dir: str, trained: TrainedDraft, vocab: DraftVocabInfo) ->
 
 
 def loss_curve_markdown(points: list[list[float]], figures: dict) -> str:
-    """The training run as markdown: loss curve (inline SVG) and the final per-step accuracy."""
+    """The training run as markdown: loss curve (an SVG image: the UI strips inline SVG) and the final per-step accuracy."""
     acc = figures.get("final_acc") or []
     lines = ["# Draft training", "",
              f"{figures.get('steps', len(points))} steps, final loss {figures.get('final_loss', float('nan')):.4f}, "
              f"{figures.get('tokens_per_s', 0):.0f} tokens/s", ""]
     if len(points) >= 2:
-        lines += [svg_line(points, "step", "loss"), ""]
+        lines += [markdown_image(svg_line(points, "step", "loss"), "training loss"), ""]
     if acc:
         lines += ["| TTT step | " + " | ".join(str(i + 1) for i in range(len(acc))) + " |",
                   "|---|" + "---|" * len(acc),

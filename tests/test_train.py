@@ -2,8 +2,10 @@
 streamed events, bad input. Hidden states are real: the tiny Llama's own, taken with transformers
 (the capture step takes them with vLLM; FACTS.md: the two agree to 5e-7) and written with the
 capture store's own write_shard."""
+import base64
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -205,7 +207,11 @@ def test_task_configs_and_loss_artifact():
     t = load_config(TrainConfig, cfg)  # every key is one remote.train knows
     assert (t.nproc_per_node, t.token_budget, t.epochs, t.target) == (8, 4096, 1.5, "/m")
     md = loss_curve_markdown([[1, 3.0], [2, 2.5], [3, 2.0]], {"steps": 3, "final_loss": 2.0, "final_acc": [0.5, 0.25]})
-    assert "<svg" in md and "<polyline" in md and "| top-1 agreement | 0.500 | 0.250 |" in md
+    image = re.search(r"!\[training loss\]\(data:image/svg\+xml;base64,([A-Za-z0-9+/=]+)\)", md)
+    assert image, md
+    svg = base64.b64decode(image.group(1)).decode()
+    assert "<svg" in svg and "<polyline" in svg and "<svg" not in md.replace(image.group(0), "")
+    assert "| top-1 agreement | 0.500 | 0.250 |" in md
 
 
 # ----------------------------------------------------------------------------- warm start (the nightly retrain)
