@@ -209,19 +209,36 @@ def end_child_processes(spared: set[int], grace_s: float = END_GRACE_S) -> list[
     children = []
     for p in psutil.Process().children(recursive=True):
         with _gone_is_fine():
-            if p.pid not in spared and "resource_tracker" not in " ".join(p.cmdline()):
+            if p.pid not in spared and _running(p) and "resource_tracker" not in " ".join(p.cmdline()):
                 children.append(p)
     for p in children:
         with _gone_is_fine():
             p.terminate()
-    _, alive = psutil.wait_procs(children, timeout=grace_s)
     killed = []
-    for p in alive:
+    for p in _wait_ended(children, grace_s):
         with _gone_is_fine():
             killed.append(f"{p.pid} {p.name()}")
             p.kill()
-    psutil.wait_procs(alive, timeout=grace_s)
+    _wait_ended(children, grace_s)
     return killed
+
+
+def _running(p) -> bool:
+    """Alive and not a zombie (an orphan's zombie may never be reaped in a container: it has ended)."""
+    import psutil
+
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _wait_ended(procs: list, timeout: float) -> list:
+    """Wait until none of procs runs, for at most timeout seconds; those still running."""
+    deadline = time.monotonic() + timeout
+    while (alive := [p for p in procs if _running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive
 
 
 @contextlib.contextmanager
