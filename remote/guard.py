@@ -10,12 +10,14 @@ The guard runs the command as its child and waits. The controller holds
 the guard's stdin open (an SSH channel, or LocalHost's pipe) and never writes to it: end of file
 there means the session is gone. On that, or on SIGHUP, SIGTERM or SIGINT, the guard sends SIGTERM
 to every other process of its group (the command and whatever it started: vLLM's engine core, its
-workers), gives the command GRACE_S seconds to end, then SIGKILLs what is left of the group. It
+workers), gives them GRACE_S seconds to end, then SIGKILLs what is left of the group. Processes that
+the command leaves behind when it ends by itself (a crashed step's engine) are ended the same way. It
 exits with the command's status (a command ended by a signal ends the guard by the same signal),
 so exit codes mean what docs/CONVENTIONS.md says, with or without the guard in between.
 
-The guard stays in the group it was started in (`timeout`'s, or LocalHost's session), so a timeout
-that signals the whole group still reaches the command directly. Linux only (it reads /proc).
+The guard leads a process group of its own (LocalHost starts it so; elsewhere it makes one), so it
+never signals a process it did not start. `timeout -k 5` (SSH) and LocalHost's timeout signal the
+guard itself; it passes that on, and its grace (4 s) ends before theirs. Linux only (it reads /proc).
 """
 from __future__ import annotations
 
@@ -25,17 +27,17 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 
-GRACE_S = 5.0  # after SIGTERM, seconds until the group's survivors get SIGKILL
+GRACE_S = 4.0  # after SIGTERM, seconds until the group's survivors get SIGKILL: under the 5 s the guard gets
 ENDING_SIGNALS = (signal.SIGHUP, signal.SIGTERM, signal.SIGINT)
 
 
 def group_members(pgid: int) -> list[int]:
-    """Pids of the processes in process group pgid, this one and its parent left out."""
-    skip = {os.getpid(), os.getppid()}
+    """Pids of the running processes in process group pgid, this one left out."""
     members = []
     for d in os.listdir("/proc"):
-        if not d.isdigit() or int(d) in skip:
+        if not d.isdigit() or int(d) == os.getpid():
             continue
         try:  # fields after "(comm)": state ppid pgrp ...; comm itself may hold spaces and parentheses
             fields = open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()
@@ -82,6 +84,8 @@ def run(argv: list[str], grace_s: float = GRACE_S) -> int:
         ending.set()
         wake.set()
 
+    if os.getpgrp() != os.getpid():
+        os.setpgid(0, 0)  # a group of our own: whatever else shared the old one is not ours to end
     for sig in ENDING_SIGNALS:  # before the child starts: a signal in between would be lost
         signal.signal(sig, on_signal)
     child = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
@@ -90,13 +94,13 @@ def run(argv: list[str], grace_s: float = GRACE_S) -> int:
         threading.Thread(target=_wait_for_eof, args=(ending, wake), daemon=True).start()
     while not wake.wait(1.0):  # a timeout, so signal handlers run promptly on every Python
         pass
-    if ending.is_set():
+    # Ending, or the command ended and left processes behind (an engine whose parent crashed): end them all.
+    if ending.is_set() or group_members(os.getpgrp()):
         signal_group(signal.SIGTERM)
-        try:
-            child.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-        signal_group(signal.SIGKILL)  # the command's leftovers too: children outliving their parent
+        deadline = time.monotonic() + grace_s
+        while (child.poll() is None or group_members(os.getpgrp())) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        signal_group(signal.SIGKILL)
     return child.wait()
 
 

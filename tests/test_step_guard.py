@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from remote.guard import GRACE_S
-from tasks.errors import HostUnreachable
+from tasks.errors import CommandTimedOut, HostUnreachable
 from tasks.hosts import HostParams, open_host
 from tasks.remote_step import run_remote_step
 from tasks.ship import ship_code
@@ -39,12 +39,12 @@ def hang_src(tmp_path_factory) -> Path:
     return pkg
 
 
-def start_hang_step(host, src: Path, pid_file: str) -> None:
+def start_hang_step(host, src: Path, pid_file: str, timeout: float = 600) -> None:
     """Ship src and run hang_step on host (returns only when the run fails)."""
     code = ship_code(host, src)
     run_dir = host.path("runs", uuid.uuid4().hex[:8])
     run_remote_step(host, code, "hang_step", {"out_dir": f"{run_dir}/hang", "pid_file": pid_file},
-                    run_dir=run_dir, timeout=600, log=print)
+                    run_dir=run_dir, timeout=timeout, log=print)
 
 
 def alive(pid: int) -> bool:
@@ -91,14 +91,8 @@ def test_closing_the_ssh_connection_ends_the_step(sshd, hang_src, step_pids):
     pid_file, wait = step_pids
     host = open_host(sshd.params(root=str(sshd.dir.parent / "roots" / uuid.uuid4().hex[:8])))
     errors: list[Exception] = []
-
-    def run() -> None:
-        try:
-            start_hang_step(host, hang_src, str(pid_file))
-        except Exception as e:  # noqa: BLE001 - looked at below
-            errors.append(e)
-
-    runner = threading.Thread(target=run, daemon=True)
+    runner = threading.Thread(target=lambda: _catch(errors, start_hang_step, host, hang_src, str(pid_file)),
+                              daemon=True)
     runner.start()
     pids = wait()
     host.close()
@@ -131,6 +125,27 @@ def test_killing_the_controller_ends_the_step(request, kind, hang_src, step_pids
         log.close()
 
 
+def test_a_step_past_its_timeout_is_ended_whole(each_host, hang_src, step_pids):
+    """The host's timeout signals the guard, which ends the child that ignores SIGTERM before the
+    timeout's own SIGKILL (5 s later) would end the guard alone."""
+    pid_file, wait = step_pids
+    errors: list[Exception] = []
+    runner = threading.Thread(target=lambda: _catch(errors, start_hang_step, each_host, hang_src, str(pid_file),
+                                                    timeout=8), daemon=True)
+    runner.start()
+    pids = wait()
+    runner.join(30)
+    assert len(errors) == 1 and isinstance(errors[0], CommandTimedOut), errors
+    assert_all_end(pids, within=2)  # the timeout ended the command: nothing of it is left
+
+
+def _catch(errors: list, fn, *args, **kwargs) -> None:
+    try:
+        fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - looked at by the test
+        errors.append(e)
+
+
 def _guard(*command: str, stdin=subprocess.DEVNULL) -> int:
     return subprocess.run([sys.executable, "-m", "remote.guard", *command], cwd=REPO, stdin=stdin,
                           timeout=30).returncode
@@ -143,6 +158,13 @@ def test_the_guard_keeps_exit_codes():
     # stdin that is no controller's line (here /dev/null) does not end the command
     assert _guard("sh", "-c", "sleep 0.5; exit 0") == 0
     assert _guard() == 64
+
+
+def test_what_a_command_leaves_behind_is_ended(tmp_path):
+    """A step that crashes and leaves a child running (an engine whose parent died): the guard ends it."""
+    pid_file = tmp_path / "left"
+    assert _guard("sh", "-c", f"sleep 300 & echo $! > {pid_file}; exit 3") == 3
+    assert not alive(int(pid_file.read_text()))
 
 
 if __name__ == "__main__":  # the controller of test_killing_the_controller_ends_the_step
