@@ -72,7 +72,7 @@ class TrainConfig:
     seed: int = 0  # draft initialisation and the data order
     device: str = "auto"  # "auto" (cuda when there is one), "cuda" or "cpu"
     compile: str = "auto"  # "auto" (on cuda), "yes" or "no": torch.compile the dense layer parts and flex attention
-    pad_multiple: int = 0  # pad each micro-batch to a multiple of this (0: 128 when compiled, else 1)
+    pad_multiple: int = 0  # pad each micro-batch to a multiple of this (0: token_budget when compiled, else 1)
     train_lm_head: bool = True  # train the draft lm_head (False: keep the target's rows frozen)
     init_lm_head_from_target: bool = True  # start lm_head from the target's rows of the draft vocabulary
     drop_outside_top1: bool = True  # drop positions whose target top-1 is outside the draft vocabulary
@@ -110,7 +110,10 @@ class Trainer:
         self.cuda = dist.device.type == "cuda"
         self.compiled = cfg.compile == "yes" or (cfg.compile == "auto" and self.cuda)
         self.dtype = torch.bfloat16 if self.cuda else torch.float32
-        self.pad = cfg.pad_multiple or (128 if self.compiled else 1)
+        # Compiled, every new batch length is a new graph (~30 s each on an H200: a real run of
+        # ShareGPT spent its first 5 minutes recompiling); one length, the budget, compiles once and
+        # costs only the packing's unfilled tail.
+        self.pad = cfg.pad_multiple or (cfg.token_budget if self.compiled else 1)
         inputs = resolve_inputs(cfg)
         self.capture, self.vocab, self.dcfg, self.target = inputs
         self.index = CaptureIndex.build(self.capture, split="train")
