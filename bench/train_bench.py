@@ -45,6 +45,8 @@ SHAPES = {  # H, heads, kv heads, head dim, intermediate, target vocab, draft vo
                     target_vocab_size=128256, draft_vocab_size=32000, rope_theta=500000.0),
     "kimi25": dict(hidden_size=7168, num_heads=64, num_kv_heads=64, head_dim=128, intermediate_size=18432,
                    target_vocab_size=163840, draft_vocab_size=32000, rope_theta=50000.0),
+    "smollm2": dict(hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536,
+                    target_vocab_size=49152, draft_vocab_size=8192, rope_theta=100000.0),  # the demo's, CPU
     "tiny": dict(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
                  target_vocab_size=512, draft_vocab_size=128),
 }
