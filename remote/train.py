@@ -372,8 +372,13 @@ def _loss_points(history: list[dict], most: int = 256) -> list[list[float]]:
 
 
 def _fingerprint(capture_dir: str) -> str:
+    """The data's fingerprint: the prepare step's, whose data.parquet the capture read ("" when unknown)."""
     m = json.loads((Path(capture_dir) / "manifest.json").read_text())
-    return str(m.get("fingerprint") or m.get("capture", {}).get("fingerprint") or m.get("code_hash") or "")
+    if m.get("fingerprint"):  # a capture folder written by hand (tests) may carry it itself
+        return str(m["fingerprint"])
+    dataset = m.get("config", {}).get("dataset")
+    prepared = Path(dataset).parent / "manifest.json" if dataset else None
+    return str(json.loads(prepared.read_text()).get("fingerprint", "")) if prepared and prepared.is_file() else ""
 
 
 def train(cfg: TrainConfig) -> dict | None:

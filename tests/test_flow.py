@@ -48,6 +48,7 @@ def test_train_draft_flow_over_ssh(prefect_harness, sshd, tiny_llama, tmp_path):
     assert config["eagle_aux_hidden_state_layer_ids"] == capture_manifest["capture"]["layer_ids"]
     assert len(config["eagle_aux_hidden_state_layer_ids"]) == 3 and max(config["eagle_aux_hidden_state_layer_ids"]) < n_layers
     assert result.data_fingerprint and len(result.data_fingerprint) == 64
+    assert result.figures["data_fingerprint"] == result.data_fingerprint  # the data's, carried through training
     assert 1.0 <= result.figures["acceptance_length"] <= 1 + params.eval.num_speculative_tokens
     keys = _artifact_keys(state.state_details.flow_run_id)
     assert {"prepared-data", "draft-evaluation"} <= keys, keys
