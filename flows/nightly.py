@@ -23,9 +23,11 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, Field
 
-from flows.params import CaptureParams, DataParams, EvalParams, TargetParams, TrainDraftParams, TrainParams, _Params
+from flows.params import (CaptureParams, DataParams, EvalParams, RendezvousParams, TargetParams, TrainDraftParams,
+                          TrainParams, _Params)
 from flows.train_draft import TrainDraftResult, train_draft
 from tasks.context import RunContext
+from tasks.errors import BadInputError
 from tasks.host_slot import host_slot
 from tasks.hosts import HostParams
 from tasks.nightly_data import DataDelta, commit_night, find_new_data
@@ -62,6 +64,8 @@ class NightlyResult(BaseModel):
 @flow(name="train-draft-nightly", log_prints=True, on_failure=[notify_failure], on_crashed=[notify_failure])
 def nightly_retrain(
     host: HostParams = HostParams(),
+    extra_hosts: list[HostParams] = [],  # noqa: B006 - Prefect parameters: never mutated
+    rendezvous: RendezvousParams = RendezvousParams(),
     target: TargetParams = TargetParams(),
     data: DataParams = DataParams(),
     capture: CaptureParams = CaptureParams(),
@@ -72,6 +76,9 @@ def nightly_retrain(
     run_name: str = "",
 ) -> NightlyResult:
     """Retrain on new data; promote only a better draft."""
+    if extra_hosts:  # the new-data files are written on the first host only
+        raise BadInputError("the nightly retrain runs on one host; extra_hosts is for the training flow "
+                            f"(got {len(extra_hosts)} extra)")
     run_name = run_name or f"nightly-{nightly.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
     with host_slot(host) as waited:
         code = ship_code_task(host)

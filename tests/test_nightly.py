@@ -419,3 +419,15 @@ def test_failed_night_leaves_current_and_memory_as_they_were(nights, webhook):
     assert json.loads((nights.root / "nightly" / "default" / "state.json").read_text()) == state
     (post,) = webhook.received
     assert post["state"] == "Failed" and post["failed_step"] and "no-such-model" in post["text"]
+
+
+def test_a_nightly_preset_with_extra_hosts_is_refused_before_anything_runs(prefect_harness, tmp_path):
+    """The training flow takes several hosts; the nightly's new-data files live on one, so it says so."""
+    from flows.nightly import nightly_retrain
+    from tasks.errors import BadInputError
+    from tasks.hosts import HostParams
+
+    other = HostParams(kind="ssh", name="gpu-b", hostname="gpu-b.invalid", root=str(tmp_path / "b"))
+    with pytest.raises(BadInputError, match="runs on one host; extra_hosts .* 1 extra"):
+        nightly_retrain(host=HostParams(kind="local", root=str(tmp_path / "a")), extra_hosts=[other])
+    assert not (tmp_path / "a").exists()  # refused before the host was touched
