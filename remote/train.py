@@ -250,10 +250,12 @@ class Trainer:
             offsets.append(offsets[-1] + n)
         flat = torch.zeros(offsets[-1], dtype=torch.uint8, device=dev)
         group: list[int] = []
+        rows = 0  # in the group
         mine = list(range(self.dist.local_rank, len(lengths), self.dist.local_world))
         for j, i in enumerate(mine):
             group.append(i)
-            if j + 1 < len(mine) and sum(lengths[g] for g in group) + lengths[mine[j + 1]] <= self.cfg.token_budget:
+            rows += lengths[i]
+            if j + 1 < len(mine) and rows + lengths[mine[j + 1]] <= self.cfg.token_budget:
                 continue
             last = torch.cat(self.index.last_states(group)).to(dev, self.dtype)
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.cuda):
@@ -262,7 +264,7 @@ class Trainer:
             for g in group:
                 flat[offsets[g]:offsets[g + 1]] = f[pos:pos + lengths[g]]
                 pos += lengths[g]
-            group = []
+            group, rows = [], 0
         flat = self.dist.all_reduce(flat, node=True).cpu()
         self.index.set_in_draft([flat[offsets[i]:offsets[i + 1]] for i in range(len(lengths))])
         self.head.other_rows = None

@@ -45,17 +45,22 @@ class CaptureIndex:
 
     def last_states(self, sample_idxs: list[int]) -> list[torch.Tensor]:
         """The captured final states of these samples, whole (what TargetHead.in_draft reads)."""
-        out: dict[int, torch.Tensor] = {}
+        return [r["last_hidden_state"] for r in self._read(sample_idxs, ("last_hidden_state",))]
+
+    def _read(self, sample_idxs: list[int], keys: tuple[str, ...], limit: int | None = None) -> list[dict]:
+        """These samples' rows of `keys` (each cut to `limit`), one shard opened once, in the order asked."""
         by_shard: dict[str, list[int]] = {}
-        for i in sample_idxs:
-            by_shard.setdefault(self.refs[i].shard, []).append(i)
-        for shard, idxs in by_shard.items():
+        for pos, i in enumerate(sample_idxs):
+            by_shard.setdefault(self.refs[i].shard, []).append(pos)
+        rows: list[dict] = [{} for _ in sample_idxs]
+        for shard, positions in by_shard.items():
             with safe_open(shard, framework="pt") as f:
-                sl = f.get_slice("last_hidden_state")
-                for i in idxs:
-                    r = self.refs[i]
-                    out[i] = sl[r.start:r.start + r.length]
-        return [out[i] for i in sample_idxs]
+                sl = {k: f.get_slice(k) for k in keys}
+                for pos in positions:
+                    r = self.refs[sample_idxs[pos]]
+                    n = r.length if limit is None else min(r.length, limit)
+                    rows[pos] = {k: sl[k][r.start:r.start + n] for k in keys}
+        return rows
 
     @property
     def lengths(self) -> list[int]:
@@ -83,21 +88,11 @@ class CaptureIndex:
         """Pack these samples (each cut to the budget) into one batch, padded to pad_multiple rows."""
         parts = {k: [] for k in ("input_ids", "loss_mask", "hidden_states", "last_hidden_state")}
         lengths = []
-        by_shard: dict[str, list[tuple[int, SampleRef]]] = {}
-        for pos, i in enumerate(sample_idxs):
-            by_shard.setdefault(self.refs[i].shard, []).append((pos, self.refs[i]))
-        rows: dict[int, dict[str, torch.Tensor]] = {}
-        for shard, refs in by_shard.items():
-            with safe_open(shard, framework="pt") as f:
-                sl = {k: f.get_slice(k) for k in parts}
-                for pos, r in refs:
-                    n = min(r.length, token_budget)
-                    rows[pos] = {k: sl[k][r.start:r.start + n] for k in parts}
-                    _check(rows[pos], r, self.n_aux * self.hidden_size, self.hidden_size)
-        for pos, i in enumerate(sample_idxs):
+        for i, row in zip(sample_idxs, self._read(sample_idxs, tuple(parts), token_budget)):
+            _check(row, self.refs[i], self.n_aux * self.hidden_size, self.hidden_size)
             for k in parts:
-                parts[k].append(rows[pos][k])
-            lengths.append(len(rows[pos]["input_ids"]))
+                parts[k].append(row[k])
+            lengths.append(len(row["input_ids"]))
         flags = None if self.in_draft is None else torch.cat(
             [self.in_draft[i][:n] for i, n in zip(sample_idxs, lengths)])
         t = sum(lengths)
