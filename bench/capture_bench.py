@@ -12,8 +12,8 @@ is capture tokens/s over prefill tokens/s over all slices (floor 0.9, aim 0.95).
 come from the shards on disk; the bound is (aux layers + 1) x H x 4 + 16. The writer (the rank-0
 worker process, which also holds the weights and the KV cache) is sampled for RSS every 0.5 s from
 before the first slice to the end: a bounded writer peaks as high in the first half of the run as
-over all of it. The model and data come from remote.embedded_default (converted once, cached under
---cache) through remote.prepare.
+over all of it. The model and data come from remote.data.embedded_default (converted once, cached under
+--cache) through remote.data.prepare.
 """
 from __future__ import annotations
 
@@ -32,9 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import psutil  # noqa: E402  (vLLM depends on it)
 
 from remote import embedded_default, prepare  # noqa: E402
-from remote.capture import CaptureConfig, Progress, VllmCapture, read_dataset  # noqa: E402
-from remote.capture_cache import CaptureCache, cache_key  # noqa: E402
-from remote.layers import TargetConfig, default_layer_ids  # noqa: E402
+from remote.capture.backend import Progress  # noqa: E402
+from remote.capture.backend_vllm import VllmCapture  # noqa: E402
+from remote.capture.capture import CaptureConfig, read_dataset  # noqa: E402
+from remote.capture.cache import CaptureCache, cache_key  # noqa: E402
+from remote.capture.layers import TargetConfig, default_layer_ids  # noqa: E402
 
 
 class RssSampler:

@@ -3,7 +3,7 @@
     .venv/bin/python bench/eval_bench.py --out /tmp/eval_bench.json                 # the demo preset, CPU, vLLM
     python3 bench/eval_bench.py --conversations 0 --backend transformers --no-online \\
         --epochs 4 --out $OUT/eval_bench.json --keep $OUT/draft                  # a GPU host without vLLM
-    .venv/bin/python -m remote.online_eval --config c.json                         # then the kept draft, here
+    .venv/bin/python -m remote.evaluate.online --config c.json                         # then the kept draft, here
 
 The lent GPU machine has neither the two PyPI packages nor room to carry them in one call (64 MiB):
 `--pack DIR` prepares every clean conversation here and splits what the GPU run needs into DIR/a
@@ -13,7 +13,7 @@ The lent GPU machine has neither the two PyPI packages nor room to carry them in
     python3 bench/eval_bench.py --gguf smollm2.gguf --prepared a/data.parquet --dtype bfloat16 \
         --backend transformers --no-online --out $OUT/quality.json --keep-tar $OUT/draft
 
-Runs what flows.train_draft runs, as the host runs it (`python -m remote.<step> --config`, one
+Runs what flows.train_draft runs, as the host runs it (`python -m <the step module> --config`, one
 subprocess a step): embedded default -> prepare -> capture -> vocab -> train -> export -> evaluate,
 and prints the wall time of each step, the evaluation's figures (offline and, unless --no-online,
 in vLLM with a baseline and n-gram lookup) and the evaluate step's share of the total. With --keep
@@ -31,6 +31,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from remote.step import step_module  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,7 +67,7 @@ def run_step(step: str, config: dict, work: Path) -> tuple[float, dict]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     t0 = time.perf_counter()
     with open(work / f"{step}.log", "w") as logf:
-        rc = subprocess.call([sys.executable, "-m", f"remote.{step}", "--config", str(cfg)], cwd=ROOT, env=env,
+        rc = subprocess.call([sys.executable, "-m", step_module(step), "--config", str(cfg)], cwd=ROOT, env=env,
                              stdout=logf, stderr=subprocess.STDOUT)
     seconds = time.perf_counter() - t0
     if rc != 0:
@@ -158,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def pack(out: Path, ed: dict, a: argparse.Namespace) -> int:
     """Prepare here; out/a: data.parquet + manifest.json + the GGUF's first bytes, out/b: the rest."""
-    from remote.embedded_default import gguf_file
+    from remote.data.embedded_default import gguf_file
 
     work = (out / "work").resolve()
     work.mkdir(parents=True, exist_ok=True)

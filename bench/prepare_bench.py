@@ -6,7 +6,7 @@
 
 --conversations 0 (the default) reads the whole packaged ShareGPT file, bad rows and the cut-off end
 included, as a user's raw dump would be read; N > 0 prepares the embedded default's first N clean
-conversations. The model and data come from remote.embedded_default (converted once, cached under
+conversations. The model and data come from remote.data.embedded_default (converted once, cached under
 --cache). Prints and writes: samples/s and tokens/s of the step's own loop (read, render, tokenize,
 write), the wall time with the tokenizer load, CPU seconds (all threads; cpu/wall = cores used) and
 the load average, since other work on a shared machine slows the wall-clock figures.
@@ -24,7 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from remote import embedded_default, prepare  # noqa: E402
+from remote.data import embedded_default
+from remote.data import prepare  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

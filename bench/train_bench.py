@@ -4,7 +4,7 @@
     python bench/train_bench.py --shape tiny --ttt 2 --impl eaglet --steps 2      # the CPU smoke
     torchrun --nproc-per-node 2 bench/train_bench.py --shape llama8b --ttt 3      # DDP scaling (issue 8)
 
-One step = what remote.train does for an optimizer step (remote.train.optimizer_step): target
+One step = what remote.train.train does for an optimizer step (remote.train.train.optimizer_step): target
 logits and masks, the unrolled TTT forward, loss, backward, gradient clipping, AdamW. Inputs are
 synthetic with the real shapes: `--tokens` packed positions a step (samples of `--doc-len`), bf16
 hidden states, an all-ones loss mask. tokens/s counts positions a step (not times TTT).
@@ -15,7 +15,7 @@ FLOPs (stated, per step, what MFU divides by the step time and the bf16 dense pe
   where a frozen lm_head skips its weight gradient), plus the target's draft-vocab logits 2*H*Vd
   once a position, plus attention 4*d*heads*(keys seen) forward, times 3.5 with its backward.
   Not counted: eaglet's full-vocabulary top-1 check (2*H*(V-Vd) a position, forward only), which
-  the trainer runs once a sample before training (remote.train), not in the step: it is timed
+  the trainer runs once a sample before training (remote.train.train), not in the step: it is timed
   apart and reported as `top1_pass_tokens_per_s`.
 The speculators side (0.9.0, if importable) is its own compiled Eagle3DraftModel.forward with
 its fused KL loss under bf16 autocast, then backward, clip (1.0) and AdamW, as its trainer does.
@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from remote.draft.config import DraftConfig  # noqa: E402
 from remote.draft.loss import PackedBatch, TargetHead, TTTObjective  # noqa: E402
 from remote.draft.model import EagleDraft  # noqa: E402
-from remote.train import optimizer_step  # noqa: E402
-from remote.train_state import Distributed  # noqa: E402
+from remote.train.train import optimizer_step  # noqa: E402
+from remote.train.state import Distributed  # noqa: E402
 
 SHAPES = {  # H, heads, kv heads, head dim, intermediate, target vocab, draft vocab
     "llama8b": dict(hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336,

@@ -4,7 +4,7 @@ same amount for both (issue 4: "peak host memory of the writer bounded, does not
     .venv/bin/python bench/writer_bench.py --out /tmp/writer_bench.json
     .venv/bin/python bench/writer_bench.py --samples 64 --samples-per-shard 4 --out f.json
 
-The writer is remote.capture_worker.Recorder (what rank 0 of the vLLM engine runs): shard plans in
+The writer is remote.capture.worker.Recorder (what rank 0 of the vLLM engine runs): shard plans in
 the wire format the driver sends, then forward passes of synthetic hidden states of SmolLM2's shape
 (H 576, 3 aux layers + the final one, float32), whole samples of about --tokens tokens packed into
 passes of at most --pass-tokens, as vLLM batches them; it packs and writes the shards (fsynced) into
@@ -37,9 +37,9 @@ def run_writer(samples: int, tokens: int, per_shard: int, pass_tokens: int, fold
     import psutil
     import torch
 
-    from remote.capture import _wire_plan  # the driver's own wire format of a shard plan
-    from remote.capture_cache import CaptureCache, SampleRow, cache_key
-    from remote.capture_worker import Recorder, request_id
+    from remote.capture.backend_vllm import _wire_plan  # the driver's own wire format of a shard plan
+    from remote.capture.cache import CaptureCache, SampleRow, cache_key
+    from remote.capture.worker import Recorder, request_id
 
     rng = np.random.default_rng(0)
     lengths = rng.integers(int(tokens * 0.9), int(tokens * 1.1) + 1, samples)

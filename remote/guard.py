@@ -1,6 +1,6 @@
 """Run a command on the host that ends when the controller goes away.
 
-    python -m remote.guard python -m remote.capture --config capture.config.json
+    python -m remote.guard python -m remote.capture.capture --config capture.config.json
 
 Without it, a step outlives its controller: when the controller process is killed or its Prefect
 task cancelled, the SSH channel closes, but a command without a terminal gets no signal for that,

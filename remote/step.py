@@ -1,8 +1,8 @@
 """The contract between a remote step and the controller (docs/CONVENTIONS.md says it in prose).
 
-A step is a module `remote.<name>` with `main(argv)`, run on the host as
+A step is a module with `main(argv)` (STEP_MODULES names it: `remote.<stage>.<name>`), run on the host as
 
-    python -m remote.<name> --config CONFIG.json
+    python -m remote.<stage>.<name> --config CONFIG.json
 
 It prints log lines; a line that starts with EVENT_PREFIX carries one JSON event (progress, figures).
 It exits 0 when done, EXIT_BAD_INPUT when its input is wrong (the controller never retries that),
@@ -28,6 +28,27 @@ EVENT_PREFIX = "@@eaglet "
 EXIT_OK = 0
 EXIT_BAD_INPUT = 65  # sysexits EX_DATAERR: the input is wrong; retrying cannot help
 MANIFEST = "manifest.json"
+
+# The steps of the pipeline and the module each runs as (remote/ is grouped by stage). A name not
+# listed here is `remote.<name>` itself (test-only steps shipped beside the package).
+STEP_MODULES = {
+    "prepare": "remote.data.prepare",
+    "embedded_default": "remote.data.embedded_default",
+    "data_delta": "remote.data.delta",
+    "patch_worker": "remote.capture.patch_worker",
+    "capture": "remote.capture.capture",
+    "vocab": "remote.train.vocab",
+    "train": "remote.train.train",
+    "export": "remote.train.export",
+    "evaluate": "remote.evaluate.evaluate",
+    "online_eval": "remote.evaluate.online",
+    "promote": "remote.evaluate.promote",
+}
+
+
+def step_module(step: str) -> str:
+    """The module `python -m` runs for a step name."""
+    return STEP_MODULES.get(step, f"remote.{step}")
 
 
 class BadInput(Exception):
@@ -202,7 +223,7 @@ def begin_step(cls: type[T], raw: dict, step: str,
 
 def step_main(name: str, run: Callable[[dict], dict | None], argv: list[str] | None = None) -> int:
     """The shared `main(argv)` of a remote step: parse --config, run, map errors to exit codes."""
-    ap = argparse.ArgumentParser(prog=f"python -m remote.{name}", description=f"eaglet remote step: {name}")
+    ap = argparse.ArgumentParser(prog=f"python -m {step_module(name)}", description=f"eaglet remote step: {name}")
     ap.add_argument("--config", required=True, help="path of the step's JSON config")
     args = ap.parse_args(argv)
     try:

@@ -3,8 +3,8 @@
     ready = patch_worker(ctx, target, capture)                        # -> WorkerReady (None: transformers)
     captured = capture_hidden_states(ctx, target, dataset, capture)   # -> CapturedStates(path, shards, ...)
 
-Both are thin: build the step's config from the flow's parameters, run `remote.patch_worker` /
-`remote.capture` through the host (tasks.remote_step: the log streams into the run log, progress
+Both are thin: build the step's config from the flow's parameters, run `remote.capture.patch_worker` /
+`remote.capture.capture` through the host (tasks.remote_step: the log streams into the run log, progress
 events into a progress artifact), and return paths and figures, never tensors. The capture's
 figures (tokens, bytes, bytes per token, tokens/s, wall time) become a table artifact of the run.
 The shards live in the host's cache (<root>/cache/captures/<key>/): a retry or the next night's run
@@ -59,12 +59,12 @@ def _shared(target: Any, capture: Any) -> dict:
 
 
 def patch_config(out_dir: str, target: Any, capture: Any) -> dict:
-    """The remote config of remote.patch_worker from the flow's TargetParams and CaptureParams."""
+    """The remote config of remote.capture.patch_worker from the flow's TargetParams and CaptureParams."""
     return {**_shared(target, capture), "out_dir": out_dir}
 
 
 def capture_config(ctx: RunContext, dataset: Any, target: Any, capture: Any) -> dict:
-    """The remote config of remote.capture from the flow's parameters and the prepared dataset."""
+    """The remote config of remote.capture.capture from the flow's parameters and the prepared dataset."""
     return {**_shared(target, capture), "dataset": dataset.path, "out_dir": ctx.step_dir("capture"),
             "cache_root": ctx.cache_root, "target_revision": target.revision, "backend": capture.backend,
             "samples_per_shard": capture.samples_per_shard, "max_num_seqs": capture.max_num_seqs,

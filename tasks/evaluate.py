@@ -3,7 +3,7 @@
     report = evaluate_draft(ctx, target, draft, dataset, captured, eval_params)
     report.figures["acceptance_length"]     # online, greedy, k = eval_params.num_speculative_tokens
 
-The step (remote/evaluate.py) does the measuring; this side builds its config, reads what it wrote
+The step (remote/evaluate/evaluate.py) does the measuring; this side builds its config, reads what it wrote
 and makes three things of it: a markdown artifact `draft-evaluation` (target, data fingerprint,
 vocabulary coverage, training loss, offline and online acceptance, speed-up, the baselines and the
 previously published draft, with the loss curve and acceptance per position as SVG images), and a
@@ -42,7 +42,7 @@ class EvalReport(BaseModel):
 
 def evaluate_config(ctx: RunContext, target_dir: str, draft_dir: str, data_path: str, capture_dir: str,
                     params: Any, previous_dir: str = "") -> dict:
-    """The remote config of remote.evaluate from the flow's EvalParams."""
+    """The remote config of remote.evaluate.evaluate from the flow's EvalParams."""
     online = {"prompts": params.prompts, "max_tokens": params.max_tokens, "temperature": params.temperature,
               "previous_draft_dir": previous_dir}
     online.update({k: getattr(params, k) for k in _ONLINE_TUNING if hasattr(params, k)})

@@ -4,7 +4,7 @@ One interface, two kinds, so a flow never asks which it has:
 
     with open_host(HostParams(kind="ssh", hostname="gpu1", user="me", root="/data/eaglet")) as host:
         host.makedirs(host.root)
-        result = host.run([host.python, "-m", "remote.prepare", "--config", cfg], timeout=600,
+        result = host.run([host.python, "-m", "remote.data.prepare", "--config", cfg], timeout=600,
                           on_line=lambda stream, line: print(stream, line))
 
 `run` never raises on a non-zero exit (the caller decides what the code means); it raises

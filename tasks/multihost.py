@@ -23,7 +23,7 @@ from typing import Any
 
 from prefect import get_run_logger
 
-from remote.prepare import host_of  # noqa: F401 - the one split, shared with the remote side (remote.capture)
+from remote.data.prepare import host_of  # noqa: F401 - the one split, shared with the remote side (remote.capture.capture)
 from remote.step import MANIFEST, sha256_file
 from tasks.context import RunContext, step_task
 from tasks.errors import BadInputError, RemoteFault

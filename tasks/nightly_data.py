@@ -4,7 +4,7 @@
     if delta.new: ... train on delta.train_inputs ...
     commit_night(ctx, delta, promoted=True)    # only after the night went well
 
-remote/data_delta.py finds the new conversations on the host; committing is one atomic write of
+remote/data/delta.py finds the new conversations on the host; committing is one atomic write of
 <root>/nightly/<name>/state.json, so a night that fails anywhere before it leaves the state as it
 was and the next night finds the same new data again.
 """
@@ -16,7 +16,7 @@ import posixpath
 from prefect import get_run_logger
 from pydantic import BaseModel
 
-from remote.data_delta import EMPTY_STATE, STATE, next_state
+from remote.data.delta import EMPTY_STATE, STATE, next_state
 from tasks.context import RunContext, step_task
 from tasks.hosts import open_host
 

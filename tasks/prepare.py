@@ -45,7 +45,7 @@ class EmbeddedDefault(BaseModel):
 
 
 def prepare_config(out_dir: str, target: Any, data: Any) -> dict:
-    """The remote config of remote.prepare from the flow's TargetParams and DataParams."""
+    """The remote config of remote.data.prepare from the flow's TargetParams and DataParams."""
     return {
         "inputs": list(data.inputs), "tokenizer": target.model, "out_dir": out_dir,
         "max_length": data.max_length, "long_policy": data.long_policy,

@@ -3,7 +3,7 @@
     current = current_draft(ctx)               # CurrentDraft | None: its folder and recorded figures
     decision = promote_if_better(ctx, draft_dir, figures, metric="acceptance_length", margin=0.05)
 
-The decision and the switch run on the host (remote/promote.py) under a lock on drafts/, so the
+The decision and the switch run on the host (remote/evaluate/promote.py) under a lock on drafts/, so the
 comparison and the rename are one step there; this side only reads and reports.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel
 
-from remote.promote import CURRENT, RECORD
+from remote.evaluate.promote import CURRENT, RECORD
 from tasks.context import RunContext, step_task
 from tasks.hosts import Host, open_host
 

@@ -5,7 +5,7 @@
                                run_dir=run_dir, timeout=3600, on_event=print, log=print)
 
 The config travels as `<run_dir>/<step>.config.json`; the step runs as
-`<python> -m remote.<step> --config <that file>` in the shipped code folder, under `remote.guard`
+`<python> -m <step module> --config <that file>` in the shipped code folder, under `remote.guard`
 (which ends it, and whatever it started, when the controller's session ends). Its exit code decides:
 0 -> the manifest in `config["out_dir"]` is returned; 65 -> BadInputError (never retried); anything
 else -> RemoteFault (retried). Inside a Prefect task use `run_step_in_task`, which sends the remote
@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Callable
 
-from remote.step import EVENT_PREFIX, EXIT_BAD_INPUT, MANIFEST
+from remote.step import EVENT_PREFIX, EXIT_BAD_INPUT, MANIFEST, step_module
 from tasks.errors import BadInputError, CommandTimedOut, RemoteFault
 from tasks.hosts import CommandResult, Host
 from tasks.ship import ShippedCode
@@ -49,7 +49,7 @@ def run_remote_step(host: Host, code: ShippedCode, step: str, config: dict, *, r
     lines = _StepLines(host.name, on_event, log)
     try:
         # remote.guard ends the step and everything it started when the session does (docs/CONVENTIONS.md)
-        result = host.run([host.python, "-m", "remote.guard", host.python, "-m", f"remote.{step}", "--config", cfg],
+        result = host.run([host.python, "-m", "remote.guard", host.python, "-m", step_module(step), "--config", cfg],
                           cwd=code.path, env={"PYTHONPATH": code.path, "EAGLET_CODE_HASH": code.sha},
                           timeout=timeout, on_line=lines)
     except CommandTimedOut as e:

@@ -1,7 +1,7 @@
 """Ship the `remote` package to a host, content-addressed: unchanged code ships nothing.
 
     code = ship_code(host)                 # -> <root>/code/<sha>/remote/...
-    host.run([host.python, "-m", "remote.prepare", ...], cwd=code.path, env={"PYTHONPATH": code.path})
+    host.run([host.python, "-m", "remote.data.prepare", ...], cwd=code.path, env={"PYTHONPATH": code.path})
 
 The folder's name is the sha256 of its SHA256SUMS file (one `<sha256>  remote/<path>` line a file),
 so the name vouches for every file. A folder already there is checked with `sha256sum -c` on the

@@ -6,7 +6,7 @@
 
 Thin, like every step task: build the remote step's config (the *_config functions, tested
 directly), run it through the host (tasks.context.RunContext.run_step: log lines, progress,
-manifest), turn what came back into artifacts. Training runs `remote.train`, which itself starts
+manifest), turn what came back into artifacts. Training runs `remote.train.train`, which itself starts
 torchrun when `nproc_per_node` > 1, so the task is the same for one GPU and eight (and, given a `node`,
 for each host of a run over several; the flow maps it over them). Its loss curve
 (in the train manifest) becomes an inline-SVG markdown artifact (no plotting library).
@@ -51,7 +51,7 @@ def vocab_config(out_dir: str, target: Any, dataset: Any, params: Any) -> dict:
 
 def train_config(out_dir: str, target: Any, captured: Any, vocab: DraftVocabInfo, params: Any,
                  node: Any = None) -> dict:
-    """remote.train's config from the flow's TrainParams; `node` (a tasks.multihost.NodeLaunch of a
+    """remote.train.train's config from the flow's TrainParams; `node` (a tasks.multihost.NodeLaunch of a
     run over several hosts) adds where this host joins torchrun's rendezvous."""
     cfg = {"capture_dir": captured.path, "vocab_dir": vocab.path, "target": target.model, "out_dir": out_dir,
            "ttt_steps": params.ttt_steps, "epochs": params.epochs, "lr": params.lr,

@@ -1,4 +1,4 @@
-"""The offline acceptance math on hand-made logits whose answer is known (remote/acceptance.py)."""
+"""The offline acceptance math on hand-made logits whose answer is known (remote/evaluate/acceptance.py)."""
 from __future__ import annotations
 
 import random
@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from remote.acceptance import ChainCounts, chain_counts, greedy_walk, leading_right, top1_target_ids, turn_spans
+from remote.evaluate.acceptance import ChainCounts, chain_counts, greedy_walk, leading_right, top1_target_ids, turn_spans
 
 V = 11  # target vocabulary of the hand-made logits
 

@@ -1,4 +1,4 @@
-"""The capture cache (remote.capture_cache) and the dataset checks of remote.capture, with real
+"""The capture cache (remote.capture.cache) and the dataset checks of remote.capture.capture, with real
 shard files written by capture_store.write_shard from made-up states (no model needed here)."""
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from remote.capture import read_dataset
-from remote.capture_cache import CaptureCache, SampleRow, cache_key, shard_name
-from remote.capture_store import Sample, read_shard, write_shard
+from remote.capture.capture import read_dataset
+from remote.capture.cache import CaptureCache, SampleRow, cache_key, shard_name
+from remote.capture.store import Sample, read_shard, write_shard
 from remote.step import BadInput
 
 H, LAYERS = 8, (1, 2)

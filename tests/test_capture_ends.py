@@ -1,4 +1,4 @@
-"""The capture step ends its vLLM engine whatever happens (`python -m remote.capture` as the host runs
+"""The capture step ends its vLLM engine whatever happens (`python -m remote.capture.capture` as the host runs
 it, on the 8-layer random Llama of tests/test_capture_vllm.py, tensor parallel over two CPU ranks so
 the engine has an engine-core process and two worker processes): SIGTERM while the engine starts
 and while it captures leaves no process behind; a start that cannot finish (corrupt weights, or one

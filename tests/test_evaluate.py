@@ -22,8 +22,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from remote.capture_store import read_shard, write_shard
-from remote.online_eval import check_draft, heldout_prompts
+from remote.capture.store import read_shard, write_shard
+from remote.evaluate.online import check_draft, heldout_prompts
 from remote.step import EXIT_BAD_INPUT, BadInput
 from tests.test_export import _random_like
 from tests.test_train import hf_capture
@@ -73,7 +73,10 @@ def world(tmp_path_factory):
 def _build_world(d: Path) -> SimpleNamespace:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from remote import embedded_default, export, train, vocab
+    from remote.data import embedded_default
+    from remote.train import export
+    from remote.train import train
+    from remote.train import vocab
 
     demo = embedded_default.run({"out_dir": str(TEST_CACHE / "embedded-default")})
     target = Path(demo["model_dir"])
@@ -104,7 +107,7 @@ def evaluated(world, prefect_harness):
     from prefect import flow
 
     from flows.params import EvalParams, TargetParams
-    from remote import promote
+    from remote.evaluate import promote
     from tasks.context import RunContext
     from tasks.evaluate import evaluate_draft
     from tasks.hosts import HostParams, open_host
@@ -209,7 +212,7 @@ def test_trained_draft_beats_the_random_published_one_and_greedy_stays_lossless(
 
 def test_generation_stops_at_the_time_budget():
     """The batching loop of every arm's first run, with a plain function standing in for llm.generate."""
-    from remote.online_eval import generate_within
+    from remote.evaluate.online import generate_within
 
     def slow_generate(batch):
         time.sleep(0.05)
@@ -293,7 +296,7 @@ def test_the_step_fails_before_vllm_with_exit_65_and_leaves_no_output(world, tmp
            "capture_dir": str(world.capture)}
     (tmp_path / "c.json").write_text(json.dumps(cfg))
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "remote.evaluate", "--config", str(tmp_path / "c.json")], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "remote.evaluate.evaluate", "--config", str(tmp_path / "c.json")], cwd=ROOT,
                        env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
     assert r.returncode == EXIT_BAD_INPUT, r.stderr[-2000:]
     assert "vocab_size 1000 != the target's 49152" in r.stderr
@@ -302,7 +305,7 @@ def test_the_step_fails_before_vllm_with_exit_65_and_leaves_no_output(world, tmp
 
 
 def test_unknown_online_keys_and_missing_heldout_prompts_are_bad_input(world, tmp_path):
-    from remote.evaluate import run
+    from remote.evaluate.evaluate import run
 
     base = {"target": str(world.target), "draft_dir": str(world.draft), "data": str(world.data),
             "out_dir": str(tmp_path / "e")}

@@ -16,10 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from remote.export import WEIGHTS
-from remote.export import main as export_main
+from remote.train.export import WEIGHTS
+from remote.train.export import main as export_main
 from remote.step import EXIT_BAD_INPUT
-from remote.train import main as train_main
+from remote.train.train import main as train_main
 from tests.test_train import hf_capture, save_vocab
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,7 +92,7 @@ def test_folder_has_what_vllm_reads(target, exported):
 
 
 def test_export_refuses_a_vocab_it_was_not_trained_with(exported, tmp_path, capsys):
-    from remote.vocab import choose_vocab
+    from remote.train.vocab import choose_vocab
 
     other = tmp_path / "vocab"
     other.mkdir()

@@ -1,8 +1,8 @@
-"""The target's full-vocabulary top-1 check, computed once a sample (remote.train) instead of in
+"""The target's full-vocabulary top-1 check, computed once a sample (remote.train.train) instead of in
 every step: the batches then carry the flags, and the targets must be the same either way."""
 import torch
 
-from remote.capture_store import CaptureSet, Sample, write_shard
+from remote.capture.store import CaptureSet, Sample, write_shard
 from remote.draft.data import CaptureIndex
 from remote.draft.loss import PackedBatch, TargetHead
 

@@ -1,4 +1,4 @@
-"""Layer lookup and the aux-layer numbering (remote.layers), on real HF modules and small torch
+"""Layer lookup and the aux-layer numbering (remote.capture.layers), on real HF modules and small torch
 modules shaped like vLLM's multimodal wrappers (vLLM's own classes need an engine to build)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from remote.layers import (LAYER_PATHS, TargetConfig, check_layer_ids, default_layer_ids, find_decoder_layers,
+from remote.capture.layers import (LAYER_PATHS, TargetConfig, check_layer_ids, default_layer_ids, find_decoder_layers,
                            hooked_layer)
 from remote.step import BadInput
 

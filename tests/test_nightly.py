@@ -1,6 +1,6 @@
 """The nightly retrain: what is new by sample hash, promotion only of a better draft, one run a host.
 
-Unit tier first (the host-side steps remote.data_delta and remote.promote, run in-process on real
+Unit tier first (the host-side steps remote.data.delta and remote.evaluate.promote, run in-process on real
 files), then the flow itself against a real Prefect server with the tiny preset.
 
     .venv/bin/python -m pytest tests/test_nightly.py -x -q
@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from remote import data_delta, promote
-from remote.chat_data import ReadReport, read_conversations
-from remote.prepare import split_of
+from remote.data import delta as data_delta
+from remote.evaluate import promote
+from remote.data.chat_data import ReadReport, read_conversations
+from remote.data.prepare import split_of
 from remote.step import EXIT_BAD_INPUT, read_manifest
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from remote import patch_worker as pw
+from remote.capture import patch_worker as pw
 from remote.step import EXIT_BAD_INPUT, BadInput
 from tests.fixtures.kimi import tiny_kimi  # noqa: F401 - the fixture
 
@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 def run_step(tmp: Path, name: str, config: dict) -> tuple[int, str]:
     cfg = tmp / f"{name}.json"
     cfg.write_text(json.dumps(config))
-    r = subprocess.run([sys.executable, "-m", "remote.patch_worker", "--config", str(cfg)], cwd=REPO,
+    r = subprocess.run([sys.executable, "-m", "remote.capture.patch_worker", "--config", str(cfg)], cwd=REPO,
                        env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=600)
     return r.returncode, r.stdout + r.stderr
 
@@ -55,7 +55,7 @@ def test_the_task_patches_the_tiny_kimi_on_a_local_host(prefect_harness, tiny_ki
     assert ready.num_layers == 4 and ready.layer_ids == [1, 2, 3] and ready.vllm.startswith("0.32")
     out = Path(code.root) / "runs" / "r1" / "patch_worker"
     m = json.loads((out / "manifest.json").read_text())
-    assert m["extension"] == "remote.capture_worker.CaptureWorkerExtension" and m["device_kind"] == "cpu"
+    assert m["extension"] == "remote.capture.worker.CaptureWorkerExtension" and m["device_kind"] == "cpu"
     assert Path(m["extension_file"]).resolve() == (Path(code.path) / "remote" / "capture_worker.py").resolve()
 
     code_again, log = run_step(tmp_path, "again", m["config"])  # idempotent: the devices again, not the probe

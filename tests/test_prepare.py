@@ -1,5 +1,5 @@
 """The prepare step on real tokenizers: the tiny ChatML ones of tests/fixtures/models.py (with and
-without a default system prompt) and SmolLM2-135M-Instruct's own, converted by remote.embedded_default."""
+without a default system prompt) and SmolLM2-135M-Instruct's own, converted by remote.data.embedded_default."""
 from __future__ import annotations
 
 import functools
@@ -12,8 +12,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from remote import prepare
-from remote.chat_data import NO_ASSISTANT_TURN, NOT_ALTERNATING, conversation_hash
+from remote.data import prepare
+from remote.data.chat_data import NO_ASSISTANT_TURN, NOT_ALTERNATING, conversation_hash
 from remote.step import EXIT_BAD_INPUT, BadInput, sha256_file
 from tests.fixtures.models import make_tokenizer
 from tests.test_embedded_default import smollm2  # noqa: F401 (a fixture: the converted SmolLM2, cached)
@@ -297,11 +297,11 @@ def test_a_finished_step_is_not_run_again(tmp_path, tiny_llama):
 
 
 def test_the_command_line_exits_65_on_bad_input_before_loading_anything(tmp_path, tiny_llama):
-    """`python -m remote.prepare` as the controller runs it (the task tests run it to success)."""
+    """`python -m remote.data.prepare` as the controller runs it (the task tests run it to success)."""
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"inputs": [str(tmp_path / "gone.jsonl")], "tokenizer": str(tiny_llama),
                                "out_dir": str(tmp_path / "o")}))
-    no = subprocess.run([sys.executable, "-m", "remote.prepare", "--config", str(bad)], cwd=REPO,
+    no = subprocess.run([sys.executable, "-m", "remote.data.prepare", "--config", str(bad)], cwd=REPO,
                         env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
     assert no.returncode == EXIT_BAD_INPUT and "gone.jsonl does not exist" in no.stderr
     assert '"event": "bad_input"' in no.stdout and not list(tmp_path.glob("o*"))

@@ -15,9 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from remote.capture_store import Sample, write_shard
+from remote.capture.store import Sample, write_shard
 from remote.step import EVENT_PREFIX, EXIT_BAD_INPUT
-from remote.vocab import choose_vocab
+from remote.train.vocab import choose_vocab
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYER_IDS = (1, 3, 5)  # HF hidden-state indices of the 6-layer tiny Llama
@@ -75,10 +75,10 @@ def random_chats(n: int, vocab: int, seed: int = 0):
 
 
 def run_train(cfg: dict, cfg_path: Path, kill_after_checkpoint: int | None = None) -> subprocess.CompletedProcess:
-    """`python -m remote.train` as the host runs it; optionally SIGKILLed after the n-th checkpoint."""
+    """`python -m remote.train.train` as the host runs it; optionally SIGKILLed after the n-th checkpoint."""
     cfg_path.write_text(json.dumps(cfg))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}  # tiny model: threads only contend
-    cmd = [sys.executable, "-m", "remote.train", "--config", str(cfg_path)]
+    cmd = [sys.executable, "-m", "remote.train.train", "--config", str(cfg_path)]
     if kill_after_checkpoint is None:
         return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -166,7 +166,7 @@ def test_killed_run_resumes_on_the_uninterrupted_curve(inputs, reference_run, tm
 
 
 def test_nan_in_the_capture_names_the_sample(tiny_llama, tmp_path, capsys):
-    from remote.train import main
+    from remote.train.train import main
 
     vocab = json.loads((tiny_llama / "config.json").read_text())["vocab_size"]
     seqs, masks = random_chats(4, vocab, seed=2)
@@ -181,7 +181,7 @@ def test_nan_in_the_capture_names_the_sample(tiny_llama, tmp_path, capsys):
 
 
 def test_mismatched_vocab_fails_before_launching_processes(inputs, tmp_path, capsys):
-    from remote.train import main
+    from remote.train.train import main
 
     bad_vocab = tmp_path / "vocab"
     bad_vocab.mkdir()
@@ -197,14 +197,14 @@ def test_task_configs_and_loss_artifact():
     from types import SimpleNamespace
 
     from remote.step import load_config
-    from remote.train import TrainConfig
+    from remote.train.train import TrainConfig
     from tasks.train import DraftVocabInfo, loss_curve_markdown, train_config
 
     params = SimpleNamespace(ttt_steps=7, epochs=1.5, lr=3e-4, batch_tokens=4096, nproc_per_node=8,
                              checkpoint_every=200, warm_start="")
     cfg = train_config("/r/train", SimpleNamespace(model="/m"), SimpleNamespace(path="/r/capture"),
                        DraftVocabInfo(path="/r/vocab", draft_vocab_size=10, coverage=0.9), params)
-    t = load_config(TrainConfig, cfg)  # every key is one remote.train knows
+    t = load_config(TrainConfig, cfg)  # every key is one remote.train.train knows
     assert (t.nproc_per_node, t.token_budget, t.epochs, t.target) == (8, 4096, 1.5, "/m")
     md = loss_curve_markdown([[1, 3.0], [2, 2.5], [3, 2.0]], {"steps": 3, "final_loss": 2.0, "final_acc": [0.5, 0.25]})
     image = re.search(r"!\[training loss\]\(data:image/svg\+xml;base64,([A-Za-z0-9+/=]+)\)", md)
@@ -218,7 +218,7 @@ def test_task_configs_and_loss_artifact():
 @pytest.fixture(scope="module")
 def current_draft(reference_run, inputs, tmp_path_factory):
     """The reference run exported as the nightly's current draft (float32, so rows compare bit for bit)."""
-    from remote.export import main as export_main
+    from remote.train.export import main as export_main
 
     d = tmp_path_factory.mktemp("current-draft")
     cfg = d / "export.json"
@@ -229,10 +229,10 @@ def current_draft(reference_run, inputs, tmp_path_factory):
 
 
 def _trainer(cfg: dict, stage: Path):
-    """The Trainer as remote.train builds it, in this process (one CPU rank), before any step."""
+    """The Trainer as remote.train.train builds it, in this process (one CPU rank), before any step."""
     from remote.step import load_config
-    from remote.train import TrainConfig, Trainer
-    from remote.train_state import Distributed
+    from remote.train.train import TrainConfig, Trainer
+    from remote.train.state import Distributed
 
     stage.mkdir(parents=True)
     return Trainer(load_config(TrainConfig, cfg), Distributed.from_env("cpu"), stage)
@@ -266,7 +266,7 @@ def test_warm_start_with_another_vocabulary_maps_lm_head_rows_by_token(tiny_llam
 def test_warm_start_of_another_shape_is_refused_by_name(inputs, current_draft, tmp_path, capsys):
     from safetensors.torch import save_file
 
-    from remote.train import main
+    from remote.train.train import main
 
     w = load_file(str(current_draft / "model.safetensors"))
     w["fc.weight"], w["norm.weight"] = torch.zeros(32, 3 * 32), torch.ones(32)  # a draft of hidden size 32

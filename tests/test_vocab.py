@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from remote.step import EXIT_BAD_INPUT
-from remote.vocab import DraftVocab, choose_vocab
-from remote.vocab import main as vocab_main
+from remote.train.vocab import DraftVocab, choose_vocab
+from remote.train.vocab import main as vocab_main
 
 
 def test_top_n_with_ties_broken_by_lower_id():

@@ -3,11 +3,11 @@
     index = CaptureIndex.build(CaptureSet.from_manifest(capture_dir), split="train")
     plan = pack(index.lengths, token_budget=8192, seed=0, epoch=0)   # [[sample indices], ...]
     batch = index.load(plan[i], token_budget=8192)                   # a remote.draft.loss.PackedBatch
-    index.set_in_draft(flags)        # per-sample [length] bool, precomputed once (remote.train)
+    index.set_in_draft(flags)        # per-sample [length] bool, precomputed once (remote.train.train)
 
 The index reads only shard headers and `cu_seqlens`; a batch reads its samples' rows through
 safetensors slices, so a capture larger than memory trains without loading whole shards.
-(remote.capture_store owns the format; this reads the same keys.)
+(remote.capture.store owns the format; this reads the same keys.)
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 
-from remote.capture_store import SHARD_KEYS, CaptureSet
+from remote.capture.store import SHARD_KEYS, CaptureSet
 from remote.draft.loss import PackedBatch
 from remote.step import BadInput
 

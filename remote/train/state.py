@@ -1,4 +1,4 @@
-"""What remote.train keeps apart from the training loop: processes, checkpoints, target weights.
+"""What remote.train.train keeps apart from the training loop: processes, checkpoints, target weights.
 
     dist = Distributed.from_env("auto")          # torchrun's env (RANK, WORLD_SIZE...) or one process
     ckpt = Checkpoints(stage / "checkpoints", keep=1)

@@ -1,11 +1,11 @@
 """The prepare step: chat conversations -> the tokenized dataset that capture and training read.
 
-    python -m remote.prepare --config c.json
+    python -m remote.data.prepare --config c.json
     # {"inputs": ["chats/", "more.jsonl"], "tokenizer": "/models/target", "out_dir": "/runs/r1/prepare"}
 
 writes out_dir/data.parquet, one row a sample, in input order (first occurrence of each conversation):
 
-    sample_id  str            hex sha256 of the normalized conversation (remote.chat_data.conversation_hash)
+    sample_id  str            hex sha256 of the normalized conversation (remote.data.chat_data.conversation_hash)
     input_ids  list<int32>    the conversation rendered with the target's own chat template
     loss_mask  list<int8>     1 on what the assistant wrote: its text and its end-of-turn marker
     length     int32          len(input_ids)
@@ -38,7 +38,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from remote.chat_data import BadRecord, Conversation, ReadReport, input_files, read_conversations
+from remote.data.chat_data import BadRecord, Conversation, ReadReport, input_files, read_conversations
 from remote.step import BadInput, StepOutput, load_config, log, progress, step_main
 
 STEP = "prepare"

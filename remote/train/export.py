@@ -1,6 +1,6 @@
 """Export a trained draft as the folder vLLM (0.32) loads as an eagle3 speculator, and SGLang too.
 
-    python -m remote.export --config c.json
+    python -m remote.train.export --config c.json
     # {"train_dir": "/runs/r1/train", "vocab_dir": "/runs/r1/vocab", "out_dir": "/runs/r1/export"}
 
     LLM(target, speculative_config={"method": "eagle3", "model": "<out_dir>", "num_speculative_tokens": 3})
@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from remote.draft.config import DraftConfig
 from remote.step import BadInput, begin_step, read_manifest, step_main, write_json_atomic
-from remote.vocab import DraftVocab
+from remote.train.vocab import DraftVocab
 
 STEP = "export"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

@@ -1,10 +1,10 @@
 """Online evaluation: the exported draft as vLLM's eagle3 speculator, measured by vLLM's own counters.
 
-    python -m remote.online_eval --config c.json
+    python -m remote.evaluate.online --config c.json
     # {"target": "/models/target", "draft_dir": "/runs/r1/export", "data": "/runs/r1/prepare/data.parquet",
     #  "out_dir": "/runs/r1/online", "num_speculative_tokens": 3, "prompts": 32, "max_tokens": 64}
 
-(remote.evaluate runs the same measurement in-process; this entry point serves benchmarks.)
+(remote.evaluate.evaluate runs the same measurement in-process; this entry point serves benchmarks.)
 
 Prompts are held-out samples of the prepare step's data.parquet, cut before the first token the
 assistant wrote (their chat-template prompt). One engine is started per arm, in this order:
@@ -50,7 +50,7 @@ PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 @dataclass(frozen=True, kw_only=True)
 class OnlineConfig:
     target: str  # the target model's folder on this host
-    draft_dir: str  # the exported eagle3 draft folder (remote.export)
+    draft_dir: str  # the exported eagle3 draft folder (remote.train.export)
     data: str  # the prepare step's data.parquet (or its folder): held-out prompts come from it
     out_dir: str = ""  # where online.json and the manifest go (only when run as its own step)
     num_speculative_tokens: int = 3  # k: tokens the draft proposes per target forward

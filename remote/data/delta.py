@@ -1,6 +1,6 @@
 """What is new in a data source since the last successful nightly run, by sample hash.
 
-    python -m remote.data_delta --config c.json
+    python -m remote.data.delta --config c.json
     # {"inputs": ["/data/chats/"], "state_dir": "<root>/nightly/default",
     #  "out_dir": "<root>/nightly/default/nights/<run>"}
 
@@ -10,7 +10,7 @@ The nightly flow keeps its memory on the host, in `state_dir`:
                           {"nights": [{"run", "data", "new"}...], "seen": ".../seen.txt", ...}
     nights/<run>/         one night's output (this step): new.jsonl, seen.txt, manifest.json
 
-This step reads the source with remote.chat_data (so a sample's hash is the one `prepare` gives it),
+This step reads the source with remote.data.chat_data (so a sample's hash is the one `prepare` gives it),
 drops every conversation whose hash is in the committed `seen` list and writes the rest to
 `new.jsonl` (OpenAI `messages` records, which read back to the same hash). The held-out set is
 fixed by the first night: later nights drop the new conversations that `prepare` would put in the
@@ -27,8 +27,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from remote.chat_data import ReadReport, read_conversations
-from remote.prepare import split_of
+from remote.data.chat_data import ReadReport, read_conversations
+from remote.data.prepare import split_of
 from remote.step import BadInput, begin_step, log, step_main
 
 STEP = "data_delta"
@@ -40,7 +40,7 @@ EMPTY_STATE = {"nights": [], "seen": None}  # a nightly before its first good ni
 
 @dataclass(frozen=True, kw_only=True)
 class DataDeltaConfig:
-    inputs: list = field(default_factory=list)  # the data source: files or folders (remote.chat_data reads them)
+    inputs: list = field(default_factory=list)  # the data source: files or folders (remote.data.chat_data reads them)
     state_dir: str  # the nightly's folder on the host; its state.json says what earlier nights took
     out_dir: str  # this night's folder (usually <state_dir>/nights/<run>)
     heldout_permille: int = 50  # the training flow's data.heldout_permille (the same each night)

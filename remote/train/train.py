@@ -1,6 +1,6 @@
 """Train an EAGLE-3 draft on captured hidden states (the training-time-test objective).
 
-    python -m remote.train --config c.json
+    python -m remote.train.train --config c.json
     # {"capture_dir": "/runs/r1/capture", "vocab_dir": "/runs/r1/vocab", "out_dir": "/runs/r1/train",
     #  "nproc_per_node": 8}
 
@@ -37,21 +37,21 @@ from pathlib import Path
 
 import torch
 
-from remote.capture_store import CaptureSet
+from remote.capture.store import CaptureSet
 from remote.draft.config import DraftConfig
 from remote.draft.data import CaptureIndex, pack
 from remote.draft.loss import TargetHead, TTTObjective
 from remote.draft.model import EagleDraft
 from remote.step import BadInput, StepOutput, emit, load_config, log, progress, step_main, write_json_atomic
-from remote.train_state import Checkpoints, Distributed, load_target_head_weights
-from remote.vocab import DraftVocab
+from remote.train.state import Checkpoints, Distributed, load_target_head_weights
+from remote.train.vocab import DraftVocab
 
 STEP = "train"
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    capture_dir: str  # a finished capture step folder (remote.capture_store format)
+    capture_dir: str  # a finished capture step folder (remote.capture.store format)
     vocab_dir: str  # a finished vocab step folder (vocab.safetensors)
     out_dir: str  # where the trained draft goes (through out_dir.partial, which also holds checkpoints)
     target: str = ""  # the target's folder (config.json, embedding, lm_head, final norm); "": the capture's
@@ -77,7 +77,7 @@ class TrainConfig:
     init_lm_head_from_target: bool = True  # start lm_head from the target's rows of the draft vocabulary
     drop_outside_top1: bool = True  # drop positions whose target top-1 is outside the draft vocabulary
     draft_overrides: dict = field(default_factory=dict)  # DraftConfig fields that differ from the target's
-    warm_start: str = ""  # an exported draft folder (remote.export) to start from; lm_head rows mapped by token
+    warm_start: str = ""  # an exported draft folder (remote.train.export) to start from; lm_head rows mapped by token
     nproc_per_node: int = 1  # processes on this host (GPUs, or gloo processes on a CPU)
     nnodes: int = 1  # hosts in the job
     node_rank: int = 0  # this host's index (0 runs the rendezvous when rdzv_endpoint is empty)
@@ -456,7 +456,7 @@ def launch(cfg: TrainConfig, raw: dict) -> dict | None:
         cmd += [f"--local-addr={cfg.local_addr}"] if cfg.local_addr else []
     else:
         cmd += ["--standalone"]
-    cmd += ["-m", "remote.train", "--config", str(cfg_path)]
+    cmd += ["-m", "remote.train.train", "--config", str(cfg_path)]
     log("train: launching " + " ".join(cmd))
     rc = subprocess.call(cmd, env={**os.environ, "EAGLET_UNDER_TORCHRUN": "1"})
     bad = sorted(stage.glob("bad_input.rank*.txt"))

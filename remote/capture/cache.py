@@ -32,7 +32,7 @@ from typing import Iterable, Sequence
 import numpy as np
 from safetensors import safe_open
 
-from remote.capture_store import shard_index
+from remote.capture.store import shard_index
 from remote.step import BadInput, log, sha256_file, write_json_atomic
 
 INDEX = "index.json"

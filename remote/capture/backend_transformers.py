@@ -1,6 +1,6 @@
-"""The transformers backend of remote.capture: plain HF forwards, packed, writing the same shards.
+"""The transformers backend of remote.capture.capture: plain HF forwards, packed, writing the same shards.
 
-    python -m remote.capture --config c.json     # with "backend": "transformers"
+    python -m remote.capture.capture --config c.json     # with "backend": "transformers"
 
 For hosts without vLLM (the lent GPU machine), targets vLLM cannot load, and as the numerical
 reference. Samples are packed back to back into one row of up to max_num_batched_tokens tokens,
@@ -17,16 +17,16 @@ from typing import Sequence
 
 import torch
 
-from remote.capture_cache import ShardPlan
-from remote.capture_store import Sample, write_shard
-from remote.layers import TargetConfig, find_decoder_layers
+from remote.capture.cache import ShardPlan
+from remote.capture.store import Sample, write_shard
+from remote.capture.layers import TargetConfig, find_decoder_layers
 from remote.step import BadInput, log
 
 
 class HfCapture:
     """Load the target once (`start`), capture planned shards in order (`capture`)."""
 
-    def __init__(self, cfg, target: TargetConfig, dtype: str, layer_ids: Sequence[int]):
+    def __init__(self, cfg, target: TargetConfig, dtype: str, layer_ids: Sequence[int], max_len: int):
         self.cfg, self.target, self.dtype, self.layer_ids = cfg, target, dtype, list(layer_ids)
         self.model = None
         self.startup_s = 0.0

@@ -1,6 +1,6 @@
 """The embedded default: a real small target and real chat data, made from what installs from PyPI.
 
-    python -m remote.embedded_default --config c.json   # {"out_dir": "<root>/cache/embedded"}
+    python -m remote.data.embedded_default --config c.json   # {"out_dir": "<root>/cache/embedded"}
 
 writes, once, into out_dir:
 
@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from remote.chat_data import BadRecord, ReadReport, iter_records, parse_record
+from remote.data.chat_data import BadRecord, ReadReport, iter_records, parse_record
 from remote.step import MANIFEST, BadInput, StepOutput, load_config, log, read_manifest, step_main
 from remote.step import verify_outputs, write_json_atomic
 

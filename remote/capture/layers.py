@@ -1,6 +1,6 @@
 """Where a model keeps its decoder layers, and which of their outputs EAGLE-3 reads.
 
-    from remote.layers import find_decoder_layers, default_layer_ids, hooked_layer
+    from remote.capture.layers import find_decoder_layers, default_layer_ids, hooked_layer
     path, layers = find_decoder_layers(model)   # ("model.layers", ModuleList); BadInput if none fits
     ids = default_layer_ids(len(layers))        # (2, N//2, N-3), HF hidden-state indices
     layers[hooked_layer(ids[0])]                # the layer whose output is hidden state ids[0]

@@ -1,6 +1,6 @@
 """The vLLM worker extension that records a target's hidden states during prefill and writes shards.
 
-    llm = vllm.LLM(target, worker_extension_cls="remote.capture_worker.CaptureWorkerExtension",
+    llm = vllm.LLM(target, worker_extension_cls="remote.capture.worker.CaptureWorkerExtension",
                    enforce_eager=True, enable_prefix_caching=False, ...)
     llm.collective_rpc("eaglet_capture_begin", args=([2, 15, 27],))       # hooks on
     llm.collective_rpc("eaglet_plan_shard", args=(plan,))                 # before its requests
@@ -8,7 +8,7 @@
     llm.collective_rpc("eaglet_capture_status")    # -> [{"written": [...], "error": ...}, None, ...]
     llm.collective_rpc("eaglet_capture_end")       # drains the writer, hooks off
 
-remote.capture drives it; this module needs vLLM only inside the worker. Why it looks like this:
+remote.capture.capture drives it; this module needs vLLM only inside the worker. Why it looks like this:
 - Forward hooks on the decoder layers read `hidden_states + residual` (the residual stream; FACTS.md)
   at the aux layers and the last layer. vLLM compiles the model once and then skips Python hooks
   added later without a word, so the engine runs eager (`enforce_eager=True`) and every pass checks
@@ -35,8 +35,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from remote.capture_store import Sample, write_shard
-from remote.layers import find_decoder_layers, hooked_layer
+from remote.capture.store import Sample, write_shard
+from remote.capture.layers import find_decoder_layers, hooked_layer
 
 REQUEST_PREFIX = "eaglet"
 WRITE_QUEUE = 2  # finished shards waiting for the disk; more would only hold more memory

@@ -1,6 +1,6 @@
 """Promote a draft when it measures better than the current one: an atomic switch of drafts/current.
 
-    python -m remote.promote --config c.json
+    python -m remote.evaluate.promote --config c.json
     # {"out_dir": "<run>/promote", "drafts_root": "<root>/drafts", "candidate_dir": "<run>/export",
     #  "name": "<run>", "figures": {"acceptance_length": 2.1, ...}, "metric": "acceptance_length",
     #  "margin": 0.05}

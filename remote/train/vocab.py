@@ -1,6 +1,6 @@
 """The draft vocabulary: the N target tokens the assistant writes most often in the train split.
 
-    python -m remote.vocab --config c.json
+    python -m remote.train.vocab --config c.json
     # {"data": "/runs/r1/prepare", "target": "/models/target", "out_dir": "/runs/r1/vocab"}
 
 `data` is the prepare step's folder (or its data.parquet): columns sample_id, input_ids, loss_mask,

@@ -1,6 +1,6 @@
 """The evaluate step: the exported draft's acceptance, offline on held-out captures and online in vLLM.
 
-    python -m remote.evaluate --config c.json
+    python -m remote.evaluate.evaluate --config c.json
     # {"target": "/models/target", "draft_dir": "/runs/r1/export", "data": "/runs/r1/prepare/data.parquet",
     #  "capture_dir": "/runs/r1/capture", "out_dir": "/runs/r1/evaluate", "num_speculative_tokens": 3,
     #  "online": {"prompts": 32, "max_tokens": 64, "temperature": 0.7}}
@@ -8,10 +8,10 @@
 Offline: the draft runs its chain of `offline_steps` guesses over the held-out split's captured
 states (teacher-forced on the data's tokens, as in training) and each guess is compared with the
 target's top-1 (from the captured final state through the target's norm and lm_head); the chain
-math is remote.acceptance. Two offline figures come of it: the expected acceptance length from
+math is remote.evaluate.acceptance. Two offline figures come of it: the expected acceptance length from
 the per-step conditional accuracies (every position a chain start), and the "replayed" one, which
 walks each assistant turn the way greedy decoding does (a chain starts where the last one ended);
-on text the target wrote itself the replayed one is what vLLM counts. Online: remote.online_eval
+on text the target wrote itself the replayed one is what vLLM counts. Online: remote.evaluate.online
 (vLLM's own counters). The draft is checked against the target before either starts, so a draft
 for another model is a BadInput.
 
@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from remote.acceptance import ChainCounts, chain_counts, greedy_walk, leading_right, turn_spans
-from remote.online_eval import OnlineConfig, check_draft, measure_online, summary
+from remote.evaluate.acceptance import ChainCounts, chain_counts, greedy_walk, leading_right, turn_spans
+from remote.evaluate.online import OnlineConfig, check_draft, measure_online, summary
 from remote.step import BadInput, StepOutput, load_config, log, read_manifest, step_main, write_json_atomic
 
 STEP = "evaluate"
@@ -41,7 +41,7 @@ LOSS_POINTS = 256  # the loss curve kept for the report, at most this many point
 @dataclass(frozen=True, kw_only=True)
 class EvaluateConfig:
     target: str  # the target model's folder on this host
-    draft_dir: str  # the exported draft (remote.export)
+    draft_dir: str  # the exported draft (remote.train.export)
     data: str  # the prepare step's data.parquet (or folder): held-out prompts for the online run
     out_dir: str  # where evaluation.json and the manifest go (through out_dir.partial)
     capture_dir: str = ""  # a finished capture: the offline run reads its held-out samples ("": no offline run)
@@ -51,7 +51,7 @@ class EvaluateConfig:
     token_budget: int = 2048  # tokens per offline batch (dense attention: memory grows with its square)
     device: str = "auto"  # offline device: "auto" (cuda when there is one), "cuda" or "cpu"
     run_online: bool = True  # measure in vLLM too
-    online: dict = field(default_factory=dict)  # remote.online_eval.OnlineConfig fields (prompts, max_tokens, ...)
+    online: dict = field(default_factory=dict)  # remote.evaluate.online.OnlineConfig fields (prompts, max_tokens, ...)
     train_dir: str = ""  # the train step folder (loss curve); "": the one the draft's export manifest names
     vocab_dir: str = ""  # the vocab step folder (coverage); "": the one the export manifest names
 
@@ -74,7 +74,7 @@ class EvaluateConfig:
 
 # ----------------------------------------------------------------------------- the draft as a model
 def draft_config_from_export(c: dict):
-    """The DraftConfig of an exported draft's config.json (the inverse of remote.export.vllm_config)."""
+    """The DraftConfig of an exported draft's config.json (the inverse of remote.train.export.vllm_config)."""
     from remote.draft.config import DraftConfig
 
     heads = int(c["num_attention_heads"])
@@ -94,7 +94,7 @@ def load_draft(draft_dir: str, target: str, device: torch.device, dtype: torch.d
 
     from remote.draft.loss import TargetHead
     from remote.draft.model import EagleDraft
-    from remote.train_state import load_target_head_weights
+    from remote.train.state import load_target_head_weights
 
     dcfg = draft_config_from_export(json.loads((Path(draft_dir) / "config.json").read_text()))
     weights = {}
@@ -141,7 +141,7 @@ def chain_of_batch(draft, head, b, steps: int, k: int) -> tuple[ChainCounts, int
 
 @torch.no_grad()
 def measure_offline(cfg: EvaluateConfig, steps: int) -> dict:
-    from remote.capture_store import CaptureSet
+    from remote.capture.store import CaptureSet
     from remote.draft.data import CaptureIndex
 
     capture = CaptureSet.from_manifest(cfg.capture_dir)

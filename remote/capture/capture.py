@@ -1,0 +1,235 @@
+"""Step: capture the target's hidden states on the prepared data, into the capture cache.
+
+    python -m remote.capture.capture --config capture.config.json
+    # {"dataset": "<run>/prepare/data.parquet", "target": "/models/Kimi-K2.5", "out_dir": "<run>/capture",
+    #  "cache_root": "<root>/cache", "backend": "vllm", "tensor_parallel_size": 8}
+
+For every sample of the dataset: the residual stream at the aux layers (HF hidden-state indices,
+default 2, N//2, N-3) and the last layer's pre-norm output, in the target's dtype, packed into
+shards (remote.capture.store) under `<cache_root>/captures/<key>/` (remote.capture.cache). Samples
+the cache already holds are not captured again; a killed run resumes at the first missing shard.
+The manifest (`<out_dir>/manifest.json`) lists the shards that hold this dataset's samples:
+`CaptureSet.from_manifest(out_dir)` reads them.
+
+Backends: "vllm" (the serving engine, tensor parallel; remote.capture.worker hooks its layers) and
+"transformers" (remote.capture.backend_transformers: plain HF forwards, packed; the numerical reference, and the path
+for hosts without vLLM). Both write the same shards. In a run over several hosts each host captures
+only its part of the samples (host_part of host_parts, chosen before either backend starts).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from remote.capture.backend import BACKENDS, Progress, make_backend
+from remote.capture.cache import CaptureCache, SampleRow, cache_key
+from remote.capture.layers import TargetConfig, check_layer_ids, default_layer_ids
+from remote.data.prepare import host_of
+from remote.step import BadInput, StepOutput, emit, load_config, log, step_main
+
+STEP = "capture"
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclass(frozen=True, kw_only=True)
+class CaptureConfig:
+    dataset: str  # the prepare step's data.parquet (sample_id, input_ids, loss_mask, length, split)
+    target: str  # the target model folder on this host (HF layout: config.json, safetensors, tokenizer)
+    out_dir: str  # this step's folder; it holds the manifest, the shards live in the cache
+    cache_root: str  # the host's cache folder: shards are kept in <cache_root>/captures/<key>/
+    target_revision: str = ""  # a label for the weights, part of the cache key; "": hashes of the target's files
+    backend: str = "vllm"  # "vllm" or "transformers"
+    tensor_parallel_size: int = 1  # GPUs (CPU ranks on a CPU host) the target is split over (vllm)
+    layer_ids: list[int] | None = None  # aux hidden-state indices, HF numbering; None: (2, N//2, N-3)
+    samples_per_shard: int = 256  # samples in one shard, the unit of resume
+    max_shard_gib: float = 4.0  # a shard also closes before it would pass this size (GiB): bounds memory
+    max_num_seqs: int = 64  # requests in flight in one engine step (vllm)
+    max_num_batched_tokens: int = 8192  # tokens of one forward pass: vLLM's step budget, HF's pack size
+    dtype: str = "auto"  # of the forward and the shards; "auto": the target's own (config.json)
+    gpu_memory_utilization: float = 0.85  # share of each GPU vLLM may take
+    max_model_len: int = 0  # vLLM's context length; 0: the longest sample + 1
+    cpu_kvcache_gib: int = 2  # KV cache per rank on a CPU host (VLLM_CPU_KVCACHE_SPACE), GiB
+    device: str = "auto"  # transformers backend: "auto" (cuda when there is one), "cuda", "cpu"
+    trust_remote_code: bool = False  # let vLLM / transformers run the target's own code (its config classes)
+    engine_start_s: float = 1800.0  # seconds vLLM may take to start (load the weights, warm up); then it fails
+    host_part: int = 0  # this host's part of a run over host_parts hosts: it captures only the samples
+    host_parts: int = 1  # with remote.data.prepare.host_of(sample_id, host_parts) == host_part (1: all of them)
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend {self.backend!r}: choose one of {BACKENDS}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r}: choose one of {DTYPES}")
+        for name in ("tensor_parallel_size", "samples_per_shard", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be at least 1")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1]")
+        if self.max_shard_gib <= 0:
+            raise ValueError(f"max_shard_gib={self.max_shard_gib}: must be positive")
+        if self.engine_start_s <= 0:
+            raise ValueError(f"engine_start_s={self.engine_start_s}: must be positive")
+        if not 0 <= self.host_part < self.host_parts:
+            raise ValueError(f"host_part={self.host_part} of host_parts={self.host_parts}: need 0 <= host_part < host_parts")
+        if self.backend == "transformers" and self.tensor_parallel_size != 1:
+            raise ValueError("the transformers backend runs on one device: set tensor_parallel_size=1")
+
+
+# ----------------------------------------------------------------------------- the dataset
+DATASET_COLUMNS = ("sample_id", "input_ids", "loss_mask", "length", "split")
+
+
+def read_dataset(path: str | os.PathLike, vocab_size: int) -> list[SampleRow]:
+    """The prepared samples, checked: the columns, lengths, token ids, unique ids. BadInput names the row."""
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    if not path.is_file():
+        raise BadInput(f"dataset {path} does not exist (expected the prepare step's data.parquet)")
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # noqa: BLE001 - pyarrow raises several kinds for a bad file
+        raise BadInput(f"dataset {path} is not a readable parquet file: {e}") from e
+    missing = [c for c in DATASET_COLUMNS if c not in table.column_names]
+    if missing:
+        raise BadInput(f"dataset {path}: missing column(s) {missing}; has {table.column_names}")
+    cols = {c: table.column(c).to_pylist() for c in ("sample_id", "length", "split")}
+    ids_col, mask_col = table.column("input_ids"), table.column("loss_mask")
+    rows, seen = [], set()
+    for i, sid in enumerate(cols["sample_id"]):
+        where = f"dataset {path} row {i} (sample {sid})"
+        ids = np.asarray(ids_col[i].values, dtype=np.int64)
+        mask = np.asarray(mask_col[i].values, dtype=np.int64)
+        if not sid or sid in seen:
+            raise BadInput(f"{where}: sample_id is empty or repeated")
+        if ids.size == 0 or ids.size != mask.size or ids.size != cols["length"][i]:
+            raise BadInput(f"{where}: {ids.size} input_ids, {mask.size} loss_mask values, length {cols['length'][i]}")
+        if ids.min() < 0 or ids.max() >= vocab_size:
+            raise BadInput(f"{where}: token id {int(ids.max()) if ids.max() >= vocab_size else int(ids.min())} "
+                           f"outside the target's vocabulary of {vocab_size}")
+        if not np.isin(mask, (0, 1)).all():
+            raise BadInput(f"{where}: loss_mask holds values other than 0 and 1")
+        if cols["split"][i] not in ("train", "heldout"):
+            raise BadInput(f"{where}: split {cols['split'][i]!r} is neither 'train' nor 'heldout'")
+        seen.add(sid)
+        rows.append(SampleRow(sid, cols["split"][i], ids.astype(np.int32), mask.astype(np.uint8)))
+    if not rows:
+        raise BadInput(f"dataset {path} has no samples")
+    return rows
+
+
+def host_share(samples: list[SampleRow], cfg: CaptureConfig) -> list[SampleRow]:
+    """The samples this host captures: all of them, or its part of a run over several hosts."""
+    if cfg.host_parts == 1:
+        return samples
+    mine = [s for s in samples if host_of(s.sample_id, cfg.host_parts) == cfg.host_part]
+    if not mine:
+        raise BadInput(f"dataset {cfg.dataset}: none of its {len(samples)} samples falls to host part "
+                       f"{cfg.host_part} of {cfg.host_parts}; use fewer hosts for this little data")
+    log(f"host part {cfg.host_part} of {cfg.host_parts}: {len(mine)} of {len(samples)} samples")
+    return mine
+
+
+# ----------------------------------------------------------------------------- the step
+def resolve_dtype(cfg: CaptureConfig, target: TargetConfig) -> str:
+    dtype = target.dtype if cfg.dtype == "auto" else cfg.dtype
+    if dtype not in DTYPE_BYTES:
+        raise BadInput(f"target {cfg.target}: dtype {dtype!r} from config.json is not one of {sorted(DTYPE_BYTES)}; "
+                       "set dtype in the capture config")
+    return dtype
+
+
+def check_disk(folder: Path, need: int) -> None:
+    """Refuse to start hours of capture that the disk cannot hold (10% and 1 GiB to spare)."""
+    free = shutil.disk_usage(folder).free
+    if need * 1.1 + 2**30 > free:
+        raise BadInput(f"the capture needs about {need / 2**30:.1f} GiB in {folder}; {free / 2**30:.1f} GiB is free")
+
+
+def _finished(out: StepOutput) -> dict | None:
+    """The manifest of a finished run whose shards are all still there, whole."""
+    m = out.done()
+    if m is None or m.get("config") != out.config:
+        return None
+    sizes = m["capture"].get("shard_bytes", {})
+    if all(Path(p).is_file() and Path(p).stat().st_size == sizes.get(p) for p in m["capture"]["shards"]):
+        return m
+    return None
+
+
+def run(raw: dict) -> dict:
+    started = time.monotonic()
+    cfg = load_config(CaptureConfig, raw, where="capture config")
+    out = StepOutput(cfg.out_dir, STEP, dataclasses.asdict(cfg))
+    if (done := _finished(out)) is not None:
+        log(f"capture already finished in {cfg.out_dir}: nothing to do")
+        return done
+    target = TargetConfig.read(cfg.target)
+    layer_ids = check_layer_ids(cfg.layer_ids if cfg.layer_ids is not None else default_layer_ids(target.num_layers),
+                                target.num_layers)
+    dtype = resolve_dtype(cfg, target)
+    samples = host_share(read_dataset(cfg.dataset, target.vocab_size), cfg)
+    max_len = max(int(s.input_ids.size) for s in samples)
+    if cfg.max_model_len and max_len + 1 > cfg.max_model_len:
+        longest = max(samples, key=lambda s: s.input_ids.size)
+        raise BadInput(f"sample {longest.sample_id} has {max_len} tokens: more than max_model_len={cfg.max_model_len} - 1")
+    bytes_per_token = (len(layer_ids) + 1) * target.hidden_size * DTYPE_BYTES[dtype] + 5
+    key, material = cache_key(cfg.target, cfg.target_revision, layer_ids, dtype)
+    with CaptureCache.open(cfg.cache_root, key, material) as cache:
+        plans, cached = cache.plan(samples, cfg.samples_per_shard, int(cfg.max_shard_gib * 2**30), bytes_per_token)
+        todo_tokens = sum(p.tokens for p in plans)
+        log(f"{len(samples)} samples: {len(cached)} already in {cache.folder}, "
+            f"{len(samples) - len(cached)} to capture ({todo_tokens} tokens) into {len(plans)} shard(s)")
+        check_disk(cache.folder, todo_tokens * bytes_per_token)
+        engine_s, detail, written, layers_path = 0.0, {}, [], ""
+        prog = Progress(len(samples) - len(cached), todo_tokens)
+        if plans:
+            backend = make_backend(cfg, target, dtype, layer_ids, max_len)
+            try:
+                backend.start()
+                engine_s = backend.startup_s
+                prog = Progress(len(samples) - len(cached), todo_tokens)  # the clock starts with the engine up
+                detail = backend.capture(plans, lambda p: (cache.add(p), written.append(p.path)), prog)
+                layers_path = backend.layers_path
+            finally:
+                backend.close()
+        shards = cache.shards_for(samples)
+        shard_bytes = cache.shard_bytes(shards)
+    new_bytes = sum(Path(p).stat().st_size for p in written)
+    figures = {
+        "tokens": prog.tokens, "bytes": new_bytes,
+        "bytes_per_token": round(new_bytes / prog.tokens, 2) if prog.tokens else None,
+        "bytes_per_token_bound": bytes_per_token + 16,
+        "tokens_per_s": round(prog.tokens_per_s, 1) if prog.tokens else None,
+        "capture_seconds": round(prog.seconds, 2) if plans else 0.0,
+        "engine_start_seconds": round(engine_s, 2), "seconds": round(time.monotonic() - started, 2), **detail,
+    }
+    counts = {"samples": len(samples), "reused": len(cached), "captured": len(samples) - len(cached),
+              "tokens": int(sum(s.input_ids.size for s in samples)), "shards": len(shards),
+              "shards_written": len(written)}
+    out.open()
+    manifest = out.publish(counts=counts, figures=figures, capture={
+        "shards": shards, "shard_bytes": shard_bytes, "layer_ids": list(layer_ids),
+        "hidden_size": target.hidden_size, "dtype": dtype, "target": str(Path(cfg.target).resolve()),
+        "sample_ids": [s.sample_id for s in samples], "cache_dir": str(Path(shards[0]).parent), "cache_key": key,
+        "backend": cfg.backend, "num_layers": target.num_layers, "layers_path": layers_path,
+    })
+    emit("figures", **figures)
+    log(f"capture done: {counts['captured']} samples captured, {counts['reused']} reused, {len(shards)} shards")
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> int:
+    return step_main(STEP, run, argv)
+
+
+if __name__ == "__main__":  # the guard vLLM needs: its workers are spawned processes
+    sys.exit(main())
