@@ -70,8 +70,9 @@ class HfCapture:
 
     def check_causal(self, n: int = 16) -> None:
         """Refuse a target whose states at a position change when only a later token does: the draft
-        learns from causal states, and vLLM serves causally. Two probes that differ in their last token."""
-        ids = (np.arange(n, dtype=np.int64) * 7919 + 3) % self.target.vocab_size
+        learns from causal states, and vLLM serves causally. Two probes that differ in their last token,
+        low ids (placeholders such as image tokens sit at the end of a vocabulary)."""
+        ids = np.arange(10, 10 + n, dtype=np.int64) % self.target.vocab_size
         other = ids.copy()
         other[-1] = (ids[-1] + 1) % self.target.vocab_size
         (aux_a, last_a), = self.forward_pack([SampleRow("probe", "train", ids, np.zeros(n, np.uint8))])
