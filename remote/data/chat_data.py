@@ -35,7 +35,7 @@ import stat
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Generator, Iterable, Iterator
 
 from remote.step import BadInput
 
@@ -330,6 +330,9 @@ class _Lines:
         return self.line
 
 
+Records = Generator[tuple[str, Any], None, "int | None"]  # (where, record)s; then where reading goes on
+
+
 def _json_records(p: Path, report: ReadReport) -> Iterator[tuple[str, Any]]:
     """The records of a .json file: its top-level values one after another (one array, one record,
     JSON lines, two arrays...); arrays are decoded record by record, so one cut off mid-record still
@@ -345,7 +348,7 @@ def _json_records(p: Path, report: ReadReport) -> Iterator[tuple[str, Any]]:
         pos = pos if pos is None else _WS.match(text, pos).end()
 
 
-def _value_record(p, text, pos, lines, report):
+def _value_record(p: Path, text: str, pos: int, lines: _Lines, report: ReadReport) -> Records:
     """The top-level value at pos; returns where the next may begin. A broken one is skipped to the next line."""
     where = f"{p}:{lines.at(pos)}"
     try:
@@ -359,7 +362,7 @@ def _value_record(p, text, pos, lines, report):
     return len(text) if end is None else end
 
 
-def _array_records(p, text, pos, lines, report):
+def _array_records(p: Path, text: str, pos: int, lines: _Lines, report: ReadReport) -> Records:
     """The records of the array at pos; returns the position after it, or None where it breaks off."""
     pos += 1
     while True:
