@@ -25,7 +25,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
 from tasks.errors import BadInputError, RemoteFault, retry_condition
-from tasks.hosts import Host, HostParams, open_host
+from tasks.host import Host, HostParams, open_host
 
 REMOTE_SRC = Path(__file__).resolve().parents[1] / "remote"
 PACKAGE = "remote"  # the shipped folder's name on the host, whatever the source folder is called

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from tasks.errors import CommandTimedOut, HostKeyRefused, HostUnreachable, LoginRefused, is_transient
-from tasks.hosts import HostParams, LocalHost, open_host
-from tasks.ssh_host import SSHHost, fingerprint, remote_command
+from tasks.host import HostParams, LocalHost, open_host
+from tasks.host.ssh import SSHHost, fingerprint, remote_command
 from tests.fixtures.sshd import make_key
 from tests.remote_steps import HERE as PROBES
 

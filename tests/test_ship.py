@@ -77,7 +77,7 @@ def test_a_corrupted_copy_is_detected_and_replaced(each_host, probe_src):
 
 @pytest.mark.ssh
 def test_ship_and_run_a_step_as_a_zsh_user_in_a_root_with_a_space(sshd, zsh_user, probe_src):
-    from tasks.hosts import open_host
+    from tasks.host import open_host
 
     with open_host(sshd.params(user=zsh_user.name, root=zsh_user.root, python="/usr/bin/python3")) as h:
         code = ship_code(h, probe_src)
@@ -91,7 +91,7 @@ def test_ship_and_run_a_step_as_a_zsh_user_in_a_root_with_a_space(sshd, zsh_user
 
 @pytest.mark.ssh
 def test_ship_to_the_second_host(netns_sshd, probe_src):
-    from tasks.hosts import open_host
+    from tasks.host import open_host
 
     with open_host(netns_sshd.params(root=str(netns_sshd.dir / "root"))) as h:
         assert ship_code(h, probe_src).bytes_sent > 0

@@ -23,7 +23,7 @@ import pytest
 
 from remote.guard import GRACE_S
 from tasks.errors import CommandTimedOut, HostUnreachable
-from tasks.hosts import HostParams, open_host
+from tasks.host import HostParams, open_host
 from tasks.remote_step import run_remote_step
 from tasks.ship import ship_code
 from tests.remote_steps import package_with_probes

@@ -1,7 +1,7 @@
 """The SSH kind of host: Fabric for commands and SFTP for files, host keys checked by default.
 
     host = open_host(HostParams(kind="ssh", hostname="gpu1", user="me", root="/data/eaglet",
-                                key_secret="gpu1-key"))      # see tasks/hosts.py for the interface
+                                key_secret="gpu1-key"))      # see tasks/host/base.py for the interface
 
 Every command crosses as one line of shlex-quoted words (`remote_command`), so bash, zsh and dash
 login shells run it word for word. A key not in known_hosts is refused unless
@@ -31,8 +31,8 @@ import invoke
 import paramiko
 
 from tasks.errors import BadInputError, CommandTimedOut, EagletError, HostKeyRefused, HostUnreachable, LoginRefused
-from tasks.hosts import (KILL_GRACE_S, CommandResult, Host, HostParams, LineSplitter, argv_words, check_env_names,
-                         command_result)
+from tasks.host.base import KILL_GRACE_S, CommandResult, Host, LineSplitter, argv_words, command_result
+from tasks.host.params import HostParams, check_env_names
 
 log = logging.getLogger("eaglet.hosts")
 
@@ -65,7 +65,6 @@ class SSHHost(Host):
 
     def __init__(self, params: HostParams):
         super().__init__(params)
-        self.name = params.name or (params.hostname if params.port == 22 else f"{params.hostname}:{params.port}")
         self.python = params.python or "python3"
         self.known_hosts = os.path.expanduser(params.known_hosts or "~/.ssh/known_hosts")
         # An explicit, empty SSH config: every setting comes from HostParams, none from ~/.ssh/config.
