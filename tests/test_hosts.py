@@ -17,7 +17,12 @@ from tests.remote_steps import HERE as PROBES
 
 # Everything a shell could act on: separators, substitutions, quotes, globs, blanks, an option.
 EVIL = ["; rm -rf x", "$(touch pwned)", "`touch pwned2`", "it's \"quoted\"", "a  b\tc", "*", "~", "$HOME",
-        "", "-n", "two\nlines", "&& touch pwned3 #", "héllo wörld"]
+        "", "-n", "two\nlines", "&& touch pwned3 #", "héllo wörld",
+        # what zsh expands beyond bash and dash: `=cmd` (its path), `==`, `k==cmd` (magic_equal_subst),
+        # `^x` (extended_glob), `''` (rc_quotes); and history `!`, comments, globs, tildes, options
+        "=sh", "==", "=", "k==sh", "--opt==sh", "~root", "~/x", "x=~", "-", "--", "-rf", "!!", "a!b", "!$",
+        "^x", "x^y", "#c", "a#b", "*.py", "[ab]", "?", "**/*", "{a,b}", "x*(N)", "a''b", "'", "\\", "\n",
+        "ends with newline\n", "\nstarts with newline", "tab\there", "%1", "+x", "a:b,c@d"]
 
 
 @pytest.fixture
@@ -42,17 +47,27 @@ def _echo(host, args, **kw) -> list[str]:
     return json.loads(r.stdout_tail[-1])
 
 
-@pytest.mark.parametrize("shell", ["bash", "zsh", "sh"])
+# Each shell as a login shell may run it, with the options a user's start-up files commonly set.
+SHELLS = {"bash": ["bash"], "bash -O extglob -O globstar -o histexpand": ["bash", "-O", "extglob", "-O", "globstar", "-o", "histexpand"],
+          "zsh": ["zsh"], "zsh -o extendedglob -o magicequalsubst -o rcquotes -o globsubst": [
+              "zsh", "-o", "extendedglob", "-o", "magicequalsubst", "-o", "rcquotes", "-o", "globsubst"],
+          "dash": ["dash"], "sh": ["sh"]}
+
+
+@pytest.mark.parametrize("shell", SHELLS)
 def test_remote_command_keeps_every_word_in_each_shell(shell, tmp_path):
     """The command line SSHHost sends, run by a real bash, zsh and dash, as sshd would run it."""
     cwd = tmp_path / "a dir with spaces"
     (cwd / "x").mkdir(parents=True)
-    line = remote_command(["python3", str(PROBES / "echo_argv.py"), *EVIL], cwd=str(cwd),
-                          env={"EAGLET_X": "v $(touch pwned4)"})
-    out = subprocess.run([shell, "-c", line], capture_output=True, text=True, timeout=20)
+    (cwd / "a.py").write_text("")  # something for a glob to match
+    env = {"EAGLET_X": "v $(touch pwned4)", "EAGLET_Z": "=sh", "EAGLET_T": "~"}
+    line = remote_command(["python3", str(PROBES / "echo_argv.py"), *EVIL], cwd=str(cwd), env=env)
+    out = subprocess.run([*SHELLS[shell], "-c", line], capture_output=True, text=True, timeout=20)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == EVIL
     assert (cwd / "x").is_dir() and not any(cwd.glob("pwned*"))
+    printed = subprocess.run([*SHELLS[shell], "-c", remote_command(["env"], env=env)], capture_output=True, text=True)
+    assert {f"{k}={v}" for k, v in env.items()} <= set(printed.stdout.splitlines())
 
 
 def test_remote_command_refuses_what_it_cannot_quote():
@@ -62,6 +77,8 @@ def test_remote_command_refuses_what_it_cannot_quote():
         remote_command("rm -rf /")
     with pytest.raises(ValueError, match="shell identifiers"):
         HostParams(env={"X;Y": "1"})
+    with pytest.raises(ValueError, match="NUL"):
+        remote_command(["echo", "a\0b"])
 
 
 def test_arguments_reach_the_program_unchanged_and_run_nothing(host):

@@ -3,7 +3,7 @@
     host = open_host(HostParams(kind="ssh", hostname="gpu1", user="me", root="/data/eaglet",
                                 key_secret="gpu1-key"))      # see tasks/host/base.py for the interface
 
-Every command crosses as one line of shlex-quoted words (`remote_command`), so bash, zsh and dash
+Every command crosses as one line of single-quoted words (`remote_command`), so bash, zsh and dash
 login shells run it word for word. A key not in known_hosts is refused unless
 `trust_unknown_host_key`; a changed key is always refused. Keys and passphrases come from Prefect
 Secret blocks at connect time (or a key file, or the SSH agent) and are never logged.
@@ -17,7 +17,7 @@ import io
 import logging
 import os
 import posixpath
-import shlex
+import re
 import socket
 import stat
 import threading
@@ -35,14 +35,17 @@ from tasks.host.base import KILL_GRACE_S, CommandResult, Host, LineSplitter, arg
 from tasks.host.params import HostParams, check_env_names
 
 log = logging.getLogger("eaglet.hosts")
+# Words left bare: no shell expands these characters anywhere in a word. shlex.quote also leaves
+# `=`, `:`, `@`, `%`, `+` and `,` bare, but zsh expands `=cmd` (and `k==cmd` under magic_equal_subst).
+BARE_WORD = re.compile(r"[A-Za-z0-9_./-]+\Z")
 
 
 def remote_command(argv: Sequence[str], cwd: str | None = None, env: Mapping[str, str] | None = None,
                    timeout: float | None = None) -> str:
     """One line any POSIX-ish login shell (bash, zsh, dash) runs as `argv`, word for word.
 
-    `cd -- DIR && env K=V ... timeout -k 5 N prog args...`: every word shlex-quoted, so nothing in an
-    argument is ever expanded; coreutils `timeout` ends the command's process group on the host.
+    `cd -- DIR && env K=V ... timeout -k 5 N prog args...`: every word quoted (`shell_word`), so nothing
+    in an argument is ever expanded; coreutils `timeout` ends the command's process group on the host.
     """
     words: list[str] = []
     if env:
@@ -50,8 +53,16 @@ def remote_command(argv: Sequence[str], cwd: str | None = None, env: Mapping[str
     if timeout is not None:
         words += ["timeout", "-k", str(KILL_GRACE_S), f"{max(timeout, 0.001):.3f}"]
     words += argv_words(argv)
-    line = " ".join(shlex.quote(w) for w in words)
-    return f"cd -- {shlex.quote(cwd)} && {line}" if cwd else line
+    line = " ".join(map(shell_word, words))
+    return f"cd -- {shell_word(cwd)} && {line}" if cwd else line
+
+
+def shell_word(word: str) -> str:
+    """word as bash, zsh (whatever its options) and dash read it back, byte for byte: bare when it holds
+    only characters no shell expands, else single-quoted (a quote inside becomes '\\'')."""
+    if "\0" in word:  # the shell would cut the word there (LocalHost's Popen refuses it the same way)
+        raise ValueError(f"a NUL byte cannot cross a command line: {word!r}")
+    return word if BARE_WORD.match(word) else "'" + word.replace("'", "'\\''") + "'"
 
 
 def fingerprint(key) -> str:
