@@ -166,6 +166,32 @@ def test_changed_host_key_is_refused_even_when_trusting(sshd, tmp_path):
 
 
 @pytest.mark.ssh
+@pytest.mark.parametrize("shell", ["bash", "zsh", "dash"])
+def test_the_printed_host_key_commands_work_with_odd_paths(sshd, tmp_path, shell):
+    """The fix each message prints, pasted into a shell as it is, with a known_hosts path a shell would split."""
+    known = tmp_path / "keys of $USER's" / "known hosts *"
+    known.parent.mkdir()
+    entry = f"[{sshd.listen}]:{sshd.port}"
+    with pytest.raises(HostKeyRefused) as e:
+        open_host(sshd.params(known_hosts=str(known))).connect()
+    assert str(e.value).startswith(f"host key of {entry} is unknown:") and "(port" not in str(e.value)
+    subprocess.run([shell, "-c", _printed_command(e.value, "ssh-keyscan")], check=True, timeout=30)
+    with open_host(sshd.params(known_hosts=str(known))) as h:  # the scanned key is trusted now
+        h.connect()
+
+    known.write_text(sshd.known_hosts_entry(make_key(tmp_path / "other_host_key")))
+    with pytest.raises(HostKeyRefused) as e:
+        open_host(sshd.params(known_hosts=str(known))).connect()
+    assert str(e.value).startswith(f"host key of {entry} CHANGED:")
+    subprocess.run([shell, "-c", _printed_command(e.value, "ssh-keygen -R")], check=True, capture_output=True, timeout=30)
+    assert sshd.listen not in known.read_text()  # the old key is gone
+
+
+def _printed_command(error: Exception, start: str) -> str:
+    return next(c for c in str(error).split("`")[1::2] if c.startswith(start))
+
+
+@pytest.mark.ssh
 def test_login_and_connection_faults_are_told_apart(sshd, tmp_path):
     make_key(tmp_path / "stranger")
     with pytest.raises(LoginRefused) as e:
@@ -219,6 +245,44 @@ def test_host_settings_from_a_block_and_the_key_from_secret_blocks(sshd, prefect
         open_host(params.model_copy(update={"passphrase_secret": None})).connect()
     with pytest.raises(BadInputError, match="no-such-block"):
         HostParams.from_block("no-such-block")
+
+
+def _damaged(key_text: str):
+    """The ways a pasted key arrives broken: the body cut short (footer kept or lost), a character changed."""
+    head, *body_lines, foot = key_text.strip().splitlines()
+    body = "".join(body_lines)
+    for cut in range(0, len(body), 4):
+        yield f"{head}\n{body[:cut]}\n{foot}\n"
+        yield f"{head}\n{body[:cut]}\n"
+    for i in range(0, len(body), 7):
+        yield f"{head}\n{body[:i]}{'A' if body[i] != 'A' else 'B'}{body[i + 1:]}\n{foot}\n"
+
+
+@pytest.mark.parametrize("kind", ["ed25519", "ecdsa"])
+def test_a_damaged_key_is_bad_input_naming_its_block(kind, tmp_path):
+    """paramiko fails on some truncations with IndexError (and AssertionError, ValueError...)."""
+    from tasks.errors import BadInputError
+    from tasks.host.ssh import _parse_private_key
+
+    subprocess.run(["ssh-keygen", "-q", "-t", kind, "-N", "", "-f", str(tmp_path / "k")], check=True)
+    for text in _damaged((tmp_path / "k").read_text()):
+        try:
+            _parse_private_key(text, None, "gpu1-key")
+        except BadInputError as e:
+            assert "Secret block 'gpu1-key'" in str(e) and "truncated" in str(e) and not is_transient(e)
+
+
+@pytest.mark.ssh
+def test_a_truncated_key_in_a_secret_block_fails_at_connect_naming_the_block(sshd, prefect_harness, tmp_path):
+    from prefect.blocks.system import Secret
+
+    from tasks.errors import BadInputError
+
+    head, *body, foot = sshd.client_key.read_text().strip().splitlines()
+    Secret(value=f"{head}\n{''.join(body)[:48]}\n{foot}\n").save("eaglet-test-cut-key", overwrite=True)
+    with pytest.raises(BadInputError, match="Secret block 'eaglet-test-cut-key'.*truncated") as e:
+        open_host(sshd.params(key_filename=None, key_secret="eaglet-test-cut-key")).connect()
+    assert not is_transient(e.value)
 
 
 def test_local_defaults():

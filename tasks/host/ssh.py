@@ -172,21 +172,26 @@ class SSHHost(Host):
                 raise HostUnreachable(f"{self.name}: {what}: {e}") from e  # "Socket is closed" and kin
             raise
 
-    def _refused_unknown_message(self, hostname: str, key) -> str:
+    @property
+    def key_entry(self) -> str:
+        """How known_hosts names this host: `gpu1`, or `[gpu1]:2222` on a port other than 22."""
         p = self.params
-        return (f"host key of {hostname} (port {p.port}) is unknown: it offers {fingerprint(key)}, "
+        return p.hostname if p.port == 22 else f"[{p.hostname}]:{p.port}"
+
+    def _refused_unknown_message(self, key) -> str:
+        p, known = self.params, shell_word(self.known_hosts)
+        return (f"host key of {self.key_entry} is unknown: it offers {fingerprint(key)}, "
                 f"which is not in {self.known_hosts}. Check that fingerprint with the host's owner "
                 "(`ssh-keygen -lf /etc/ssh/ssh_host_*_key.pub` there), "
-                f"then trust it: `ssh-keyscan -p {p.port} {p.hostname} >> {self.known_hosts}`, "
+                f"then trust it: `ssh-keyscan -p {p.port} {shell_word(p.hostname)} >> {known}`, "
                 "or run once with trust_unknown_host_key=true (the key is then recorded).")
 
     def _changed_key_message(self, got, expected) -> str:
-        p = self.params
-        entry = p.hostname if p.port == 22 else f"[{p.hostname}]:{p.port}"
-        return (f"host key of {p.hostname} (port {p.port}) CHANGED: it offers {fingerprint(got)}, but "
+        return (f"host key of {self.key_entry} CHANGED: it offers {fingerprint(got)}, but "
                 f"{self.known_hosts} holds {fingerprint(expected)}. The host may have been reinstalled, or "
                 "someone is in the middle. If you know why it changed, remove the old key with "
-                f"`ssh-keygen -R '{entry}' -f {self.known_hosts}` and trust the new one. Refused.")
+                f"`ssh-keygen -R {shell_word(self.key_entry)} -f {shell_word(self.known_hosts)}` and trust the "
+                "new one. Refused.")
 
     # -- commands ----------------------------------------------------------------------
     def run(self, argv, *, cwd=None, env=None, timeout=None, on_line=None) -> CommandResult:
@@ -308,7 +313,7 @@ class RefuseUnknownKey(paramiko.RejectPolicy):
         self.host = host
 
     def missing_host_key(self, client, hostname, key):
-        raise HostKeyRefused(self.host._refused_unknown_message(hostname, key))
+        raise HostKeyRefused(self.host._refused_unknown_message(key))
 
 
 class RecordUnknownKey(RefuseUnknownKey):
@@ -338,7 +343,10 @@ def _parse_private_key(text: str, passphrase: str | None, where: str):
             return cls.from_private_key(io.StringIO(text), password=passphrase)
         except paramiko.PasswordRequiredException:
             raise LoginRefused(f"the key in Secret block {where!r} is encrypted: name its passphrase in passphrase_secret") from None
-        except (paramiko.SSHException, ValueError):
+        # A damaged key fails deep in paramiko (IndexError, AssertionError, ValueError, SSHException...):
+        # whatever it raises, the text is not a readable key of this type.
+        except Exception:  # noqa: BLE001
             continue
-    raise BadInputError(f"Secret block {where!r} holds no private key that can be read (OpenSSH ed25519, ECDSA or RSA)"
-                        + (" with that passphrase" if passphrase else ""))
+    raise BadInputError(f"Secret block {where!r} holds no private key that can be read (OpenSSH ed25519, ECDSA or RSA"
+                        + (", with that passphrase" if passphrase else "")
+                        + "): it may be damaged or truncated; save the whole key file there, BEGIN and END lines included")
