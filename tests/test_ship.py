@@ -2,14 +2,18 @@
 Real hosts: a LocalHost, root over the loopback sshd, a zsh user, a host in a network namespace."""
 from __future__ import annotations
 
+import os
 import posixpath
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
-from tasks.errors import BadInputError
+from tasks.errors import BadInputError, HostUnreachable
 from tasks.remote_step import run_remote_step
-from tasks.ship import (REMOTE_SRC, SUMS, code_hash, is_shipped, package_files, ship_code, ship_code_task,
-                        sums_text)
+from tasks.ship import (REMOTE_SRC, STALE_MIN, SUMS, code_hash, is_shipped, package_files, ship_code,
+                        ship_code_task, sums_text)
 from tests.remote_steps import package_with_probes, probe_src  # noqa: F401 (probe_src is a fixture)
 
 
@@ -110,3 +114,61 @@ def test_ship_code_task_opens_the_host_from_its_settings(prefect_harness, sshd, 
 
     first, second = ship_twice()
     assert first.bytes_sent > 0 and second.bytes_sent == 0 and first.path == second.path
+
+
+def _drop_mid_upload(server, code_dir: Path, stop: bool) -> threading.Thread:
+    """Once a tarball is part-way up, drop the connection (the sshd's sessions), or stop the sshd too."""
+    def drop():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if any(p.stat().st_size > 1 << 20 for p in code_dir.glob(".*.tar.gz")):
+                server.stop() if stop else server.drop_sessions()
+                return
+            time.sleep(0.005)
+
+    saboteur = threading.Thread(target=drop, daemon=True)
+    saboteur.start()
+    return saboteur
+
+
+def _big_package(tmp_path: Path) -> Path:
+    pkg = package_with_probes(tmp_path / "pkg")
+    (pkg / "blob.bin").write_bytes(os.urandom(32 << 20))  # incompressible: the upload takes a while
+    return pkg
+
+
+@pytest.mark.ssh
+def test_a_transfer_dropped_half_way_leaves_nothing_on_the_host(own_sshd, tmp_path):
+    from tasks.host import open_host
+
+    root = own_sshd.dir / "root"
+    saboteur = _drop_mid_upload(own_sshd, root / "code", stop=False)
+    with open_host(own_sshd.params(root=str(root))) as h:
+        h.makedirs(h.path("code"))
+        with pytest.raises(HostUnreachable):
+            ship_code(h, _big_package(tmp_path))
+        saboteur.join(10)
+        assert os.listdir(root / "code") == []  # the part-uploaded tarball went at once
+
+
+@pytest.mark.ssh
+def test_leftovers_the_controller_could_not_remove_go_with_the_next_upload(own_sshd, tmp_path, probe_src):
+    from tasks.host import open_host
+
+    root = own_sshd.dir / "root"
+    saboteur = _drop_mid_upload(own_sshd, root / "code", stop=True)
+    with open_host(own_sshd.params(root=str(root))) as h:
+        h.makedirs(h.path("code"))
+        with pytest.raises(HostUnreachable):
+            ship_code(h, _big_package(tmp_path))
+        saboteur.join(10)
+        own_sshd.start()
+        leftover = [p for p in (root / "code").iterdir()]
+        assert [p.suffix for p in leftover] == [".gz"]  # the host was down: nothing could remove it
+        recent = ship_code(h, probe_src)
+        assert (root / "code" / leftover[0].name).exists(), "a fresh leftover may be a live upload: kept"
+        stale = time.time() - (STALE_MIN + 1) * 60
+        os.utime(leftover[0], (stale, stale))
+        h.run(["rm", "-rf", "--", recent.path])  # so the next ship uploads (and sweeps)
+        ship_code(h, probe_src)
+        assert os.listdir(root / "code") == [recent.sha]
