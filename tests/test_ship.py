@@ -116,8 +116,14 @@ def test_ship_code_task_opens_the_host_from_its_settings(prefect_harness, sshd, 
     assert first.bytes_sent > 0 and second.bytes_sent == 0 and first.path == second.path
 
 
-def _drop_mid_upload(server, code_dir: Path, stop: bool) -> threading.Thread:
-    """Once a tarball is part-way up, drop the connection (the sshd's sessions), or stop the sshd too."""
+def _ship_dropped_mid_upload(server, host, tmp_path: Path, stop: bool) -> Path:
+    """Ship a big package and, once its tarball is part-way up, drop the connection (the sshd's
+    sessions) or stop the sshd too; the ship must fail as unreachable. Returns the code folder."""
+    code_dir = Path(host.path("code"))
+    host.makedirs(str(code_dir))
+    pkg = package_with_probes(tmp_path / "pkg")
+    (pkg / "blob.bin").write_bytes(os.urandom(32 << 20))  # incompressible: the upload takes a while
+
     def drop():
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -128,47 +134,34 @@ def _drop_mid_upload(server, code_dir: Path, stop: bool) -> threading.Thread:
 
     saboteur = threading.Thread(target=drop, daemon=True)
     saboteur.start()
-    return saboteur
-
-
-def _big_package(tmp_path: Path) -> Path:
-    pkg = package_with_probes(tmp_path / "pkg")
-    (pkg / "blob.bin").write_bytes(os.urandom(32 << 20))  # incompressible: the upload takes a while
-    return pkg
+    with pytest.raises(HostUnreachable):
+        ship_code(host, pkg)
+    saboteur.join(10)
+    return code_dir
 
 
 @pytest.mark.ssh
 def test_a_transfer_dropped_half_way_leaves_nothing_on_the_host(own_sshd, tmp_path):
     from tasks.host import open_host
 
-    root = own_sshd.dir / "root"
-    saboteur = _drop_mid_upload(own_sshd, root / "code", stop=False)
-    with open_host(own_sshd.params(root=str(root))) as h:
-        h.makedirs(h.path("code"))
-        with pytest.raises(HostUnreachable):
-            ship_code(h, _big_package(tmp_path))
-        saboteur.join(10)
-        assert os.listdir(root / "code") == []  # the part-uploaded tarball went at once
+    with open_host(own_sshd.params(root=str(own_sshd.dir / "root"))) as h:
+        code_dir = _ship_dropped_mid_upload(own_sshd, h, tmp_path, stop=False)
+        assert os.listdir(code_dir) == []  # the part-uploaded tarball went at once
 
 
 @pytest.mark.ssh
 def test_leftovers_the_controller_could_not_remove_go_with_the_next_upload(own_sshd, tmp_path, probe_src):
     from tasks.host import open_host
 
-    root = own_sshd.dir / "root"
-    saboteur = _drop_mid_upload(own_sshd, root / "code", stop=True)
-    with open_host(own_sshd.params(root=str(root))) as h:
-        h.makedirs(h.path("code"))
-        with pytest.raises(HostUnreachable):
-            ship_code(h, _big_package(tmp_path))
-        saboteur.join(10)
+    with open_host(own_sshd.params(root=str(own_sshd.dir / "root"))) as h:
+        code_dir = _ship_dropped_mid_upload(own_sshd, h, tmp_path, stop=True)
         own_sshd.start()
-        leftover = [p for p in (root / "code").iterdir()]
+        leftover = list(code_dir.iterdir())
         assert [p.suffix for p in leftover] == [".gz"]  # the host was down: nothing could remove it
         recent = ship_code(h, probe_src)
-        assert (root / "code" / leftover[0].name).exists(), "a fresh leftover may be a live upload: kept"
+        assert leftover[0].exists(), "a fresh leftover may be a live upload: kept"
         stale = time.time() - (STALE_MIN + 1) * 60
         os.utime(leftover[0], (stale, stale))
         h.run(["rm", "-rf", "--", recent.path])  # so the next ship uploads (and sweeps)
         ship_code(h, probe_src)
-        assert os.listdir(root / "code") == [recent.sha]
+        assert os.listdir(code_dir) == [recent.sha]
