@@ -30,6 +30,7 @@ import fabric
 import invoke
 import paramiko
 
+from remote.guard import HEARTBEAT_ENV, LOST_AFTER_BEATS
 from tasks.errors import BadInputError, CommandTimedOut, EagletError, HostKeyRefused, HostUnreachable, LoginRefused
 from tasks.host.base import KILL_GRACE_S, CommandResult, Host, LineSplitter, argv_words, command_result
 from tasks.host.params import HostParams, check_env_names
@@ -38,6 +39,8 @@ log = logging.getLogger("eaglet.hosts")
 # Words left bare: no shell expands these characters anywhere in a word. shlex.quote also leaves
 # `=`, `:`, `@`, `%`, `+` and `,` bare, but zsh expands `=cmd` (and `k==cmd` under magic_equal_subst).
 BARE_WORD = re.compile(r"[A-Za-z0-9_./-]+\Z")
+HEARTBEAT_S = 10.0  # a byte down every command's stdin this often: the controller is alive (remote.guard)
+LOST_AFTER_S = LOST_AFTER_BEATS * HEARTBEAT_S  # silence that ends a step on the host, and our connection
 
 
 def remote_command(argv: Sequence[str], cwd: str | None = None, env: Mapping[str, str] | None = None,
@@ -79,7 +82,7 @@ class SSHHost(Host):
         self.python = params.python or "python3"
         self.known_hosts = os.path.expanduser(params.known_hosts or "~/.ssh/known_hosts")
         # An explicit, empty SSH config: every setting comes from HostParams, none from ~/.ssh/config.
-        config = fabric.Config(ssh_config=paramiko.SSHConfig())
+        config = fabric.Config(ssh_config=paramiko.SSHConfig(), overrides={"runners": {"remote": HeartbeatRemote}})
         self._conn = fabric.Connection(params.hostname, user=params.user, port=params.port, config=config)
         self._lock = threading.RLock()
         self._sftp = None
@@ -128,6 +131,7 @@ class SSHHost(Host):
         self._conn.connect_kwargs = kwargs
         try:
             self._conn.open()
+            _fail_unacknowledged_after(self._conn.transport.sock, LOST_AFTER_S)
         except paramiko.BadHostKeyException as e:
             raise HostKeyRefused(self._changed_key_message(e.key, e.expected_key)) from None
         except paramiko.SSHException as e:
@@ -195,17 +199,19 @@ class SSHHost(Host):
 
     # -- commands ----------------------------------------------------------------------
     def run(self, argv, *, cwd=None, env=None, timeout=None, on_line=None) -> CommandResult:
-        command = remote_command(argv, cwd, {**self.params.env, **(env or {})}, timeout)
+        command = remote_command(argv, cwd, {**self.params.env, **(env or {}), HEARTBEAT_ENV: f"{HEARTBEAT_S:g}"},
+                                 timeout)
         out, err = LineSplitter("stdout", on_line), LineSplitter("stderr", on_line)
         # Fabric's own timeout is only a backstop for a hung connection: `timeout` on the host acts first.
-        # in_stream=False sends nothing and never closes the command's stdin: it reads end of file only
-        # when the session ends, which is how remote.guard knows that the controller has gone.
+        # The command's stdin gets a heartbeat byte every HEARTBEAT_S (HeartbeatRemote) and is never closed:
+        # it reads end of file only when the session ends, silence when the network is lost; either way
+        # remote.guard knows that the controller has gone.
         backstop = None if timeout is None else timeout + KILL_GRACE_S + self.params.connect_timeout
         started = time.monotonic()
         with self._faults(f"run {argv[0]}"):
             conn = self._connected()
             try:
-                r = conn.run(command, hide=False, warn=True, pty=False, in_stream=False, encoding="utf-8",
+                r = conn.run(command, hide=False, warn=True, pty=False, in_stream=True, encoding="utf-8",
                              out_stream=out, err_stream=err, timeout=backstop)
                 code = r.exited
             except invoke.CommandTimedOut:
@@ -304,6 +310,25 @@ class SSHHost(Host):
                 self._sftp.close()
                 self._sftp = None
             self._conn.close()
+
+
+class HeartbeatRemote(fabric.runners.Remote):
+    """Fabric's runner, whose stdin thread sends the command a heartbeat byte every HEARTBEAT_S until it
+    ends, instead of copying a stream (run it with in_stream=True, so that the thread starts)."""
+
+    def handle_stdin(self, input_, output, echo=False) -> None:
+        while not self.program_finished.wait(HEARTBEAT_S):
+            try:
+                self.channel.sendall(b"\n")
+            except OSError:  # the channel closed: the command ended, or the connection dropped
+                return
+
+
+def _fail_unacknowledged_after(sock, seconds: float) -> None:
+    """A connection whose data (a heartbeat, a file) goes unacknowledged this long fails, so a lost host
+    is reported as unreachable then instead of after TCP's retries (about 15 minutes). Linux only."""
+    if isinstance(sock, socket.socket) and hasattr(socket, "TCP_USER_TIMEOUT"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(seconds * 1000))
 
 
 class RefuseUnknownKey(paramiko.RejectPolicy):
