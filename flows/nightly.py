@@ -29,7 +29,7 @@ from flows.train_draft import TrainDraftResult, train_draft
 from tasks.context import RunContext
 from tasks.errors import BadInputError
 from tasks.host_slot import host_slot
-from tasks.hosts import HostParams
+from tasks.host import HostParams
 from tasks.nightly_data import DataDelta, commit_night, find_new_data
 from tasks.notify import notify_failure
 from tasks.promote import PromotionDecision, current_draft, promote_if_better

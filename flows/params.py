@@ -11,7 +11,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tasks.hosts import HostParams
+from tasks.host import HostParams
 from tasks.multihost import DEFAULT_RDZV_PORT
 
 

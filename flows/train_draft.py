@@ -24,7 +24,7 @@ from tasks.context import RunContext
 from tasks.errors import BadInputError
 from tasks.evaluate import evaluate_draft
 from tasks.host_slot import host_slot
-from tasks.hosts import HostParams
+from tasks.host import HostParams
 from tasks.multihost import copy_vocab, rendezvous as plan_rendezvous, same_data
 from tasks.notify import notify_failure
 from tasks.prepare import embedded_default, prepare_data

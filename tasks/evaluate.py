@@ -22,7 +22,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from pydantic import BaseModel
 
 from tasks.context import RunContext, step_task
-from tasks.hosts import open_host
+from tasks.host import open_host
 from tasks.promote import CurrentDraft, read_current_draft
 
 EVAL_TIMEOUT_S = 3 * 3600  # a TP=8 target starts once per arm (minutes each); generation is bounded by max_seconds

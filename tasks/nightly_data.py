@@ -18,7 +18,7 @@ from pydantic import BaseModel
 
 from remote.data.delta import EMPTY_STATE, STATE, next_state
 from tasks.context import RunContext, step_task
-from tasks.hosts import open_host
+from tasks.host import open_host
 
 STEP_TIMEOUT_S = 3600  # hashing a few million conversations
 

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from remote.evaluate.promote import CURRENT, RECORD
 from tasks.context import RunContext, step_task
-from tasks.hosts import Host, open_host
+from tasks.host import Host, open_host
 
 STEP_TIMEOUT_S = 3600  # copying a large draft (a Kimi-K2.5 one is a few GB) onto the drafts disk
 
@@ -60,7 +60,7 @@ def read_current_draft(host: Host, root: str) -> CurrentDraft | None:
 def current_draft(ctx: RunContext) -> CurrentDraft | None:
     with open_host(ctx.host) as host:
         current = read_current_draft(host, ctx.root)
-    get_run_logger().info("current draft on %s: %s", ctx.host.name or "the host",
+    get_run_logger().info("current draft on %s: %s", ctx.host.display_name,
                           f"{current.name} {current.figures}" if current else "none yet")
     return current
 

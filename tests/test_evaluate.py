@@ -110,7 +110,7 @@ def evaluated(world, prefect_harness):
     from remote.evaluate import promote
     from tasks.context import RunContext
     from tasks.evaluate import evaluate_draft
-    from tasks.hosts import HostParams, open_host
+    from tasks.host import HostParams, open_host
     from tasks.prepare import PreparedData
     from tasks.ship import ship_code
     from tasks.train import ExportedDraft

@@ -319,7 +319,7 @@ def test_the_task_prepares_on_a_host_and_shows_the_counts(prefect_harness, tmp_p
     from flows.params import DataParams, TargetParams
     from tasks.context import RunContext
     from tasks.errors import BadInputError
-    from tasks.hosts import HostParams, open_host
+    from tasks.host import HostParams, open_host
     from tasks.prepare import prepare_data
     from tasks.ship import ship_code
 
