@@ -8,7 +8,7 @@ A backend is one file (`backend_<name>.py`) with a class taking the same constru
     engine.layers_path                                         # where it hooked the decoder layers
     engine.close()                                             # end everything start() began
 
-Adding a backend: write its file and add one line to BACKENDS below.
+Adding a backend: write its file and add one line to BACKENDS (remote/capture/config.py).
 """
 from __future__ import annotations
 
@@ -17,15 +17,11 @@ import time
 from typing import Callable, Protocol, Sequence
 
 from remote.capture.cache import ShardPlan
+from remote.capture.config import BACKENDS
 from remote.step import progress
 
 PROGRESS_EVERY_S = 2.0
 
-# backend name -> "module:Class"
-BACKENDS = {
-    "vllm": "remote.capture.backend_vllm:VllmCapture",
-    "transformers": "remote.capture.backend_transformers:HfCapture",
-}
 
 
 class Progress:
