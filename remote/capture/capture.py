@@ -18,7 +18,6 @@ only its part of the samples (host_part of host_parts, chosen before either back
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 import sys
@@ -32,7 +31,7 @@ from remote.capture.config import CaptureConfig
 from remote.capture.cache import CaptureCache, SampleRow, cache_key
 from remote.capture.layers import TargetConfig, check_layer_ids, default_layer_ids
 from remote.data.prepare import host_of
-from remote.step import BadInput, StepOutput, emit, load_config, log, step_main
+from remote.step import BadInput, begin_step, emit, log, step_main
 
 STEP = "capture"
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -109,23 +108,17 @@ def check_disk(folder: Path, need: int) -> None:
         raise BadInput(f"the capture needs about {need / 2**30:.1f} GiB in {folder}; {free / 2**30:.1f} GiB is free")
 
 
-def _finished(out: StepOutput) -> dict | None:
-    """The manifest of a finished run whose shards are all still there, whole."""
-    m = out.done()
-    if m is None or m.get("config") != out.config:
-        return None
+def _shards_whole(m: dict) -> bool:
+    """Whether every shard a finished capture's manifest lists is still in the cache, whole."""
     sizes = m["capture"].get("shard_bytes", {})
-    if all(Path(p).is_file() and Path(p).stat().st_size == sizes.get(p) for p in m["capture"]["shards"]):
-        return m
-    return None
+    return all(Path(p).is_file() and Path(p).stat().st_size == sizes.get(p) for p in m["capture"]["shards"])
 
 
 def run(raw: dict) -> dict:
     started = time.monotonic()
-    cfg = load_config(CaptureConfig, raw, where="capture config")
-    out = StepOutput(cfg.out_dir, STEP, dataclasses.asdict(cfg))
-    if (done := _finished(out)) is not None:
-        log(f"capture already finished in {cfg.out_dir}: nothing to do")
+    # the work a killed capture did is in the cache (resumed from there), not in out_dir.partial
+    cfg, out, done = begin_step(CaptureConfig, raw, STEP, valid=_shards_whole)
+    if done is not None:
         return done
     target = TargetConfig.read(cfg.target)
     layer_ids = check_layer_ids(cfg.layer_ids if cfg.layer_ids is not None else default_layer_ids(target.num_layers),

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from remote.capture.config import PatchWorkerConfig
-from remote.step import BadInput, StepOutput, load_config, log, step_main
+from remote.step import BadInput, begin_step, load_config, log, step_main
 
 STEP = "patch_worker"
 MIN_VLLM = (0, 10)  # InputBatch.req_ids, num_computed_tokens_cpu, query_start_loc in the forward context
@@ -258,18 +258,16 @@ def vllm_version() -> str:
 def run(raw: dict) -> dict:
     from remote.capture.layers import TargetConfig, check_layer_ids
 
-    cfg = load_config(PatchWorkerConfig, raw, where="patch_worker config")
+    cfg, out, done = begin_step(PatchWorkerConfig, raw, STEP, valid=lambda m: m.get("vllm") == vllm_version(),
+                                summary=lambda m: f"{m['model_class']}, {m['layers_path']}")
     target = TargetConfig.read(cfg.target)
     if cfg.layer_ids is not None:  # what config.json alone can refuse is refused before the probe
         check_layer_ids(cfg.layer_ids, target.num_layers)
-    out = StepOutput(cfg.out_dir, STEP, dataclasses.asdict(cfg))
     version = vllm_version()
     report = check_devices(cfg.tensor_parallel_size, cfg.gpu_memory_utilization, cfg.cpu_kvcache_gib,
                            target.weight_bytes)
     log(f"devices: {report.summary}")
-    done = out.done()
-    if done is not None and done.get("config") == out.config and done.get("vllm") == version:
-        log(f"worker already checked for {cfg.target} ({done['model_class']}, {done['layers_path']}): nothing to do")
+    if done is not None:
         return done
     view = worker_view(cfg)
     if view["problems"]:

@@ -33,14 +33,14 @@ import shutil
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 from typing import Iterable, Iterator
 
 from remote.data.config import PrepareConfig
 from remote.data.chat_data import BadRecord, Conversation, ReadReport, input_files, read_conversations
-from remote.step import BadInput, StepOutput, load_config, log, progress, step_main
+from remote.step import BadInput, begin_step, log, progress, step_main
 
 STEP = "prepare"
 DATA_FILE = "data.parquet"
@@ -209,11 +209,8 @@ class DatasetWriter:
 
 # ----------------------------------------------------------------------------- the step
 def run(raw: dict) -> dict:
-    cfg = load_config(PrepareConfig, raw, where="prepare config")
-    resolved = json.loads(json.dumps(asdict(cfg)))  # as the manifest holds it (lists, not tuples)
-    out = StepOutput(cfg.out_dir, STEP, resolved)
-    if (done := out.done()) is not None and done.get("config") == resolved:
-        log(f"prepare: {cfg.out_dir} is already finished ({done['counts']['samples']} samples)")
+    cfg, out, done = begin_step(PrepareConfig, raw, STEP, summary=lambda m: f"{m['counts']['samples']} samples")
+    if done is not None:
         return done
     input_files(cfg.inputs, ReadReport())  # a missing input fails now, before the tokenizer loads
     chat = ChatTokenizer(cfg.tokenizer, cfg.trust_remote_code)

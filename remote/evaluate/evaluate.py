@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -32,7 +31,7 @@ import torch
 from remote.evaluate.acceptance import ChainCounts, chain_counts, greedy_walk, leading_right, turn_spans
 from remote.evaluate.config import EvaluateConfig
 from remote.evaluate.online import check_draft, measure_online, summary
-from remote.step import BadInput, StepOutput, load_config, log, read_manifest, step_main, write_json_atomic
+from remote.step import BadInput, begin_step, log, read_manifest, step_main, write_json_atomic
 
 STEP = "evaluate"
 RESULT_FILE = "evaluation.json"
@@ -213,12 +212,10 @@ def figures_of(result: dict) -> dict:
 
 
 def run(raw: dict) -> dict:
-    cfg = load_config(EvaluateConfig, raw)
-    online_cfg = cfg.online_config() if cfg.run_online else None  # its errors are bad input too
-    out = StepOutput(cfg.out_dir, STEP, asdict(cfg))
-    if (m := out.done()) is not None:
-        log(f"evaluate: {cfg.out_dir} is already done")
-        return m
+    cfg, out, done = begin_step(EvaluateConfig, raw, STEP)
+    if done is not None:
+        return done
+    online_cfg = cfg.online_config() if cfg.online else None
     check_draft(cfg.draft_dir, cfg.target)  # before any model is loaded or any engine starts
     t0 = time.perf_counter()
     result: dict = {"provenance": provenance(cfg)}

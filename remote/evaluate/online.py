@@ -32,11 +32,11 @@ import gc
 import json
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from remote.evaluate.config import OnlineConfig
-from remote.step import BadInput, StepOutput, load_config, log, progress, step_main, write_json_atomic
+from remote.step import BadInput, begin_step, log, progress, step_main, write_json_atomic
 
 STEP = "online_eval"
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"
@@ -411,13 +411,9 @@ def summary(report: dict) -> dict:
 
 # ----------------------------------------------------------------------------- as its own step
 def run(raw: dict) -> dict:
-    cfg = load_config(OnlineConfig, raw)
-    if not cfg.out_dir:
-        raise BadInput("out_dir: needed when online_eval runs as its own step")
-    out = StepOutput(cfg.out_dir, STEP, asdict(cfg))
-    if (m := out.done()) is not None:
-        log(f"online_eval: {cfg.out_dir} is already done")
-        return m
+    cfg, out, done = begin_step(OnlineConfig, raw, STEP)  # out_dir may be "" only inside evaluate
+    if done is not None:
+        return done
     report = measure_online(cfg)
     stage = out.open()
     write_json_atomic(stage / "online.json", report)

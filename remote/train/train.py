@@ -32,7 +32,6 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -42,7 +41,7 @@ from remote.draft.config import DraftConfig
 from remote.draft.data import CaptureIndex, pack
 from remote.draft.loss import TargetHead, TTTObjective
 from remote.draft.model import EagleDraft
-from remote.step import BadInput, StepOutput, emit, load_config, log, progress, step_main, write_json_atomic
+from remote.step import BadInput, StepOutput, begin_step, emit, log, progress, step_main, write_json_atomic
 from remote.train.config import TrainConfig
 from remote.train.state import Checkpoints, Distributed, load_target_head_weights
 from remote.train.vocab import DraftVocab
@@ -332,11 +331,7 @@ def _fingerprint(capture_dir: str) -> str:
     return str(json.loads(prepared.read_text()).get("fingerprint", "")) if prepared and prepared.is_file() else ""
 
 
-def train(cfg: TrainConfig) -> dict | None:
-    out = StepOutput(cfg.out_dir, STEP, asdict(cfg))
-    if (m := out.done()) is not None:
-        log(f"train: {cfg.out_dir} is already done")
-        return m
+def train(cfg: TrainConfig, out: StepOutput) -> dict | None:
     dist = Distributed.from_env(cfg.device)
     stage = out.staging
     if dist.local_rank == 0:
@@ -384,12 +379,9 @@ def _publish_draft(cfg: TrainConfig, out: StepOutput, trainer: Trainer, counts: 
 
 
 # ----------------------------------------------------------------------------- launching
-def launch(cfg: TrainConfig, raw: dict) -> dict | None:
+def launch(cfg: TrainConfig, raw: dict, out: StepOutput) -> dict | None:
     """Run this step under torchrun (several processes) and map its outcome to ours."""
     resolve_inputs(cfg)  # a bad input fails here, with exit 65, before any process starts
-    out = StepOutput(cfg.out_dir, STEP, asdict(cfg))
-    if (m := out.done()) is not None:
-        return m
     stage = out.open()
     for f in stage.glob("bad_input.rank*.txt"):
         f.unlink()
@@ -413,14 +405,17 @@ def launch(cfg: TrainConfig, raw: dict) -> dict | None:
         raise BadInput(bad[0].read_text())
     if rc != 0:
         raise RuntimeError(f"torchrun exited {rc}")
-    return StepOutput(cfg.out_dir, STEP, asdict(cfg)).done()
+    return out.done()
 
 
 def run(raw: dict) -> dict | None:
-    cfg = load_config(TrainConfig, raw)
+    # every process of a torchrun job starts here too: begin_step only reads when a step resumes
+    cfg, out, done = begin_step(TrainConfig, raw, STEP, resumes=True)
+    if done is not None:
+        return done
     if (cfg.nproc_per_node > 1 or cfg.nnodes > 1) and "EAGLET_UNDER_TORCHRUN" not in os.environ:
-        return launch(cfg, raw)
-    return train(cfg)
+        return launch(cfg, raw, out)
+    return train(cfg, out)
 
 
 def main(argv: list[str] | None = None) -> int:
