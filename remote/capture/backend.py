@@ -2,7 +2,7 @@
 
 A backend is one file (`backend_<name>.py`) with a class taking the same constructor arguments:
 
-    engine = Backend(cfg, target, dtype, layer_ids, max_len)   # cfg: remote.capture.capture.capture.CaptureConfig
+    engine = Backend(cfg, target, dtype, layer_ids, max_len)   # cfg: remote.capture.config.CaptureConfig
     engine.start()                                             # load the target; sets startup_s
     detail = engine.capture(plans, on_written, progress)       # write each planned shard; on_written(plan)
     engine.layers_path                                         # where it hooked the decoder layers

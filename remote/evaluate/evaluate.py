@@ -3,7 +3,7 @@
     python -m remote.evaluate.evaluate --config c.json
     # {"target": "/models/target", "draft_dir": "/runs/r1/export", "data": "/runs/r1/prepare/data.parquet",
     #  "capture_dir": "/runs/r1/capture", "out_dir": "/runs/r1/evaluate", "num_speculative_tokens": 3,
-    #  "online": {"prompts": 32, "max_tokens": 64, "temperature": 0.7}}
+    #  "prompts": 32, "max_tokens": 64, "temperature": 0.7}       (remote/evaluate/config.py: EvaluateConfig)
 
 Offline: the draft runs its chain of `offline_steps` guesses over the held-out split's captured
 states (teacher-forced on the data's tokens, as in training) and each guess is compared with the
