@@ -10,9 +10,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _files(package: str) -> dict[str, Path]:
+    """module name -> its file, for every module of a package (subpackages too)."""
+    return {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+            for p in (ROOT / package).rglob("*.py")}
+
+
 def _modules(package: str) -> list[str]:
-    return sorted(".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
-                  for p in (ROOT / package).rglob("*.py"))
+    return sorted(_files(package))
 
 
 def _loaded_after_importing(modules: list[str], watched: list[str]) -> list[str]:
@@ -49,7 +54,7 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_tasks_have_no_import_cycle():
-    graph = {m: _imports(ROOT / (m.replace(".", "/") + ".py")) for m in _modules("tasks") if m != "tasks"}
+    graph = {m: _imports(path) for m, path in _files("tasks").items()}
     state: dict[str, str] = {}
 
     def visit(m: str, path: list[str]) -> None:
