@@ -196,12 +196,13 @@ def test_task_configs_and_loss_artifact():
     """The Prefect tasks' pure parts: the remote config they build, the loss-curve markdown."""
     from types import SimpleNamespace
 
+    from flows.params import TrainParams
     from remote.step import load_config
     from remote.train.train import TrainConfig
     from tasks.train import DraftVocabInfo, loss_curve_markdown, train_config
 
-    params = SimpleNamespace(ttt_steps=7, epochs=1.5, lr=3e-4, batch_tokens=4096, nproc_per_node=8,
-                             checkpoint_every=200, warm_start="")
+    params = TrainParams(ttt_steps=7, epochs=1.5, lr=3e-4, token_budget=4096, nproc_per_node=8,
+                         checkpoint_every=200, warm_start="")
     cfg = train_config("/r/train", SimpleNamespace(model="/m"), SimpleNamespace(path="/r/capture"),
                        DraftVocabInfo(path="/r/vocab", draft_vocab_size=10, coverage=0.9), params)
     t = load_config(TrainConfig, cfg)  # every key is one remote.train.train knows

@@ -3,7 +3,7 @@
     python -m remote.evaluate.evaluate --config c.json
     # {"target": "/models/target", "draft_dir": "/runs/r1/export", "data": "/runs/r1/prepare/data.parquet",
     #  "capture_dir": "/runs/r1/capture", "out_dir": "/runs/r1/evaluate", "num_speculative_tokens": 3,
-    #  "online": {"prompts": 32, "max_tokens": 64, "temperature": 0.7}}
+    #  "prompts": 32, "max_tokens": 64, "temperature": 0.7}       (remote/evaluate/config.py: EvaluateConfig)
 
 Offline: the draft runs its chain of `offline_steps` guesses over the held-out split's captured
 states (teacher-forced on the data's tokens, as in training) and each guess is compared with the
@@ -24,52 +24,18 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from remote.evaluate.acceptance import ChainCounts, chain_counts, greedy_walk, leading_right, turn_spans
-from remote.evaluate.online import OnlineConfig, check_draft, measure_online, summary
-from remote.step import BadInput, StepOutput, load_config, log, read_manifest, step_main, write_json_atomic
+from remote.evaluate.config import EvaluateConfig
+from remote.evaluate.online import check_draft, measure_online, summary
+from remote.step import BadInput, begin_step, log, read_manifest, step_main, write_json_atomic
 
 STEP = "evaluate"
 RESULT_FILE = "evaluation.json"
 LOSS_POINTS = 256  # the loss curve kept for the report, at most this many points
-
-
-@dataclass(frozen=True, kw_only=True)
-class EvaluateConfig:
-    target: str  # the target model's folder on this host
-    draft_dir: str  # the exported draft (remote.train.export)
-    data: str  # the prepare step's data.parquet (or folder): held-out prompts for the online run
-    out_dir: str  # where evaluation.json and the manifest go (through out_dir.partial)
-    capture_dir: str = ""  # a finished capture: the offline run reads its held-out samples ("": no offline run)
-    num_speculative_tokens: int = 3  # k: the acceptance length reported is for k speculative tokens
-    offline_steps: int = 0  # chain steps measured offline (0: k); the per-position table shows them all
-    offline_max_tokens: int = 262144  # held-out captured tokens the offline run reads at most
-    token_budget: int = 2048  # tokens per offline batch (dense attention: memory grows with its square)
-    device: str = "auto"  # offline device: "auto" (cuda when there is one), "cuda" or "cpu"
-    run_online: bool = True  # measure in vLLM too
-    online: dict = field(default_factory=dict)  # remote.evaluate.online.OnlineConfig fields (prompts, max_tokens, ...)
-    train_dir: str = ""  # the train step folder (loss curve); "": the one the draft's export manifest names
-    vocab_dir: str = ""  # the vocab step folder (coverage); "": the one the export manifest names
-
-    def __post_init__(self):
-        if self.num_speculative_tokens < 1 or self.offline_steps < 0:
-            raise ValueError("num_speculative_tokens must be >= 1 and offline_steps >= 0")
-        if self.device not in ("auto", "cuda", "cpu"):
-            raise ValueError(f"device={self.device!r}: choose auto, cuda or cpu")
-        if not self.capture_dir and not self.run_online:
-            raise ValueError("nothing to measure: give capture_dir (offline) or run_online=true")
-
-    def online_config(self) -> OnlineConfig:
-        fixed = {"target": self.target, "draft_dir": self.draft_dir, "data": self.data,
-                 "num_speculative_tokens": self.num_speculative_tokens}
-        clash = sorted(set(fixed) & set(self.online))
-        if clash:
-            raise BadInput(f"online: {clash} are set at the top level of the evaluate config, not under online")
-        return load_config(OnlineConfig, {**self.online, **fixed}, where="online")
 
 
 # ----------------------------------------------------------------------------- the draft as a model
@@ -246,12 +212,10 @@ def figures_of(result: dict) -> dict:
 
 
 def run(raw: dict) -> dict:
-    cfg = load_config(EvaluateConfig, raw)
-    online_cfg = cfg.online_config() if cfg.run_online else None  # its errors are bad input too
-    out = StepOutput(cfg.out_dir, STEP, asdict(cfg))
-    if (m := out.done()) is not None:
-        log(f"evaluate: {cfg.out_dir} is already done")
-        return m
+    cfg, out, done = begin_step(EvaluateConfig, raw, STEP)
+    if done is not None:
+        return done
+    online_cfg = cfg.online_config() if cfg.online else None
     check_draft(cfg.draft_dir, cfg.target)  # before any model is loaded or any engine starts
     t0 = time.perf_counter()
     result: dict = {"provenance": provenance(cfg)}

@@ -13,7 +13,6 @@ a short model card (target, data fingerprint, figures).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from remote.draft.config import DraftConfig
 from remote.step import BadInput, begin_step, read_manifest, step_main, write_json_atomic
+from remote.train.config import ExportConfig
 from remote.train.vocab import DraftVocab
 
 STEP = "export"
@@ -29,19 +29,6 @@ WEIGHTS = ("fc.weight", "norm.weight", "lm_head.weight") + tuple(
     f"midlayer.{n}.weight" for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm", "self_attn.q_proj",
                                      "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
                                      "mlp.up_proj", "mlp.down_proj"))
-
-
-@dataclass(frozen=True, kw_only=True)
-class ExportConfig:
-    train_dir: str  # a finished train step folder
-    vocab_dir: str  # the vocab step folder the draft was trained with (d2t, t2d)
-    out_dir: str  # the exported draft (through out_dir.partial)
-    dtype: str = "bfloat16"  # weight dtype of the export
-    name: str = ""  # a name for the model card; "": the folder's name
-
-    def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r}: choose one of {sorted(DTYPES)}")
 
 
 def vllm_config(d: DraftConfig, dtype: str) -> dict:

@@ -32,7 +32,6 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -42,63 +41,12 @@ from remote.draft.config import DraftConfig
 from remote.draft.data import CaptureIndex, pack
 from remote.draft.loss import TargetHead, TTTObjective
 from remote.draft.model import EagleDraft
-from remote.step import BadInput, StepOutput, emit, load_config, log, progress, step_main, write_json_atomic
+from remote.step import BadInput, StepOutput, begin_step, emit, log, progress, step_main, write_json_atomic
+from remote.train.config import TrainConfig
 from remote.train.state import Checkpoints, Distributed, load_target_head_weights
 from remote.train.vocab import DraftVocab
 
 STEP = "train"
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainConfig:
-    capture_dir: str  # a finished capture step folder (remote.capture.store format)
-    vocab_dir: str  # a finished vocab step folder (vocab.safetensors)
-    out_dir: str  # where the trained draft goes (through out_dir.partial, which also holds checkpoints)
-    target: str = ""  # the target's folder (config.json, embedding, lm_head, final norm); "": the capture's
-    ttt_steps: int = 7  # unrolled training-time-test steps
-    step_decay: float = 0.8  # loss weight of step k is step_decay**k
-    token_budget: int = 8192  # tokens in one micro-batch of one rank (samples packed, longer ones cut)
-    grad_accum: int = 1  # micro-batches per rank per optimizer step
-    epochs: float = 1.0  # passes over the train split, fractions allowed (ignored when max_steps > 0)
-    max_steps: int = 0  # optimizer steps; 0: as many as the epochs give
-    lr: float = 1e-4  # peak learning rate of AdamW
-    min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
-    warmup_steps: int = 0  # linear warmup steps
-    weight_decay: float = 0.0  # AdamW decoupled weight decay
-    betas: tuple[float, float] = (0.9, 0.95)  # AdamW betas
-    grad_clip: float = 0.5  # max global gradient norm; 0: no clipping
-    checkpoint_every: int = 500  # optimizer steps between checkpoints (one is always written at the end)
-    keep_checkpoints: int = 1  # how many of the newest checkpoints survive
-    seed: int = 0  # draft initialisation and the data order
-    device: str = "auto"  # "auto" (cuda when there is one), "cuda" or "cpu"
-    compile: str = "auto"  # "auto" (on cuda), "yes" or "no": torch.compile the dense layer parts and flex attention
-    pad_multiple: int = 0  # pad each micro-batch to a multiple of this (0: token_budget when compiled, else 1)
-    train_lm_head: bool = True  # train the draft lm_head (False: keep the target's rows frozen)
-    init_lm_head_from_target: bool = True  # start lm_head from the target's rows of the draft vocabulary
-    drop_outside_top1: bool = True  # drop positions whose target top-1 is outside the draft vocabulary
-    draft_overrides: dict = field(default_factory=dict)  # DraftConfig fields that differ from the target's
-    warm_start: str = ""  # an exported draft folder (remote.train.export) to start from; lm_head rows mapped by token
-    nproc_per_node: int = 1  # processes on this host (GPUs, or gloo processes on a CPU)
-    nnodes: int = 1  # hosts in the job
-    node_rank: int = 0  # this host's index (0 runs the rendezvous when rdzv_endpoint is empty)
-    rdzv_endpoint: str = ""  # host:port of the rendezvous for nnodes > 1
-    local_addr: str = ""  # this host's address as the other hosts reach it (torchrun --local-addr); "": its hostname
-    log_every: int = 1  # emit a train event every this many steps
-
-    def __post_init__(self):
-        if self.epochs <= 0:
-            raise ValueError(f"epochs={self.epochs}: must be positive")
-        for name in ("ttt_steps", "token_budget", "grad_accum", "checkpoint_every", "keep_checkpoints",
-                     "nproc_per_node", "nnodes", "log_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)}: must be at least 1")
-        if self.device not in ("auto", "cuda", "cpu"):
-            raise ValueError(f"device={self.device!r}: choose auto, cuda or cpu")
-        if self.compile not in ("auto", "yes", "no"):
-            raise ValueError(f"compile={self.compile!r}: choose auto, yes or no")
-        if self.nnodes > 1 and not self.rdzv_endpoint:
-            raise ValueError(f"nnodes={self.nnodes} needs rdzv_endpoint (host:port of node 0)")
-        object.__setattr__(self, "betas", tuple(self.betas))
 
 
 # ----------------------------------------------------------------------------- the run
@@ -383,11 +331,7 @@ def _fingerprint(capture_dir: str) -> str:
     return str(json.loads(prepared.read_text()).get("fingerprint", "")) if prepared and prepared.is_file() else ""
 
 
-def train(cfg: TrainConfig) -> dict | None:
-    out = StepOutput(cfg.out_dir, STEP, asdict(cfg))
-    if (m := out.done()) is not None:
-        log(f"train: {cfg.out_dir} is already done")
-        return m
+def train(cfg: TrainConfig, out: StepOutput) -> dict | None:
     dist = Distributed.from_env(cfg.device)
     stage = out.staging
     if dist.local_rank == 0:
@@ -435,12 +379,9 @@ def _publish_draft(cfg: TrainConfig, out: StepOutput, trainer: Trainer, counts: 
 
 
 # ----------------------------------------------------------------------------- launching
-def launch(cfg: TrainConfig, raw: dict) -> dict | None:
+def launch(cfg: TrainConfig, raw: dict, out: StepOutput) -> dict | None:
     """Run this step under torchrun (several processes) and map its outcome to ours."""
     resolve_inputs(cfg)  # a bad input fails here, with exit 65, before any process starts
-    out = StepOutput(cfg.out_dir, STEP, asdict(cfg))
-    if (m := out.done()) is not None:
-        return m
     stage = out.open()
     for f in stage.glob("bad_input.rank*.txt"):
         f.unlink()
@@ -464,14 +405,17 @@ def launch(cfg: TrainConfig, raw: dict) -> dict | None:
         raise BadInput(bad[0].read_text())
     if rc != 0:
         raise RuntimeError(f"torchrun exited {rc}")
-    return StepOutput(cfg.out_dir, STEP, asdict(cfg)).done()
+    return out.done()
 
 
 def run(raw: dict) -> dict | None:
-    cfg = load_config(TrainConfig, raw)
+    # every process of a torchrun job starts here too: begin_step only reads when a step resumes
+    cfg, out, done = begin_step(TrainConfig, raw, STEP, resumes=True)
+    if done is not None:
+        return done
     if (cfg.nproc_per_node > 1 or cfg.nnodes > 1) and "EAGLET_UNDER_TORCHRUN" not in os.environ:
-        return launch(cfg, raw)
-    return train(cfg)
+        return launch(cfg, raw, out)
+    return train(cfg, out)
 
 
 def main(argv: list[str] | None = None) -> int:
