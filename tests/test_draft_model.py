@@ -149,8 +149,15 @@ def test_states_match_the_dense_reference():
                 assert err < 1e-4, f"{backend} step {k}: max abs diff {err}"
 
 
-def test_loss_and_gradients_match_the_reference():
-    draft, head, parts = _setup(seed=3)
+# The draft options (tests/test_draft_options.py has each alone): speculators' three, and fc_norm's variant.
+OPTION_SETS = {"none": {}, "speculators": {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True},
+               "fc_norm": {"fc_norm": True, "norm_before_residual": True, "norm_output": True}}
+
+
+@pytest.mark.parametrize("options", list(OPTION_SETS))
+def test_loss_and_gradients_match_the_reference(options):
+    """Through TTTObjective, which calls draft.fc and draft.step: the options need nothing of the loss."""
+    draft, head, parts = _setup(seed=3, cfg=DraftConfig(**{**CFG.to_dict(), **OPTION_SETS[options]}))
     b = _batch([12, 7, 10], seed=3)
     tgt = head.targets(b, K)
     assert 0 < int(tgt.counts.min()) and int(tgt.counts.max()) < len(b.input_ids)  # some dropped, some kept
@@ -167,6 +174,8 @@ def test_loss_and_gradients_match_the_reference():
             rel = (grads[n] - p.grad).norm() / p.grad.norm().clamp(min=1e-12)
             assert rel < 1e-4, f"gradient of {n} differs by {rel:.2e} (relative)"
     assert "embed_tokens.weight" not in grads  # the target's embedding stays frozen
+    norms = [n for n in grads if n.startswith(("input_norm.", "fc_norm."))]  # the options' own norms learn
+    assert len(norms) == {"none": 0, "speculators": 1, "fc_norm": 3}[options] and all(grads[n].abs().sum() > 0 for n in norms)
     assert stats.shape == (K, 3) and torch.equal(stats[:, 2], tgt.counts)
 
 
