@@ -39,8 +39,8 @@ class DraftConfig:
     rope_scaling: dict | None = None  # HF rope_scaling dict (a rope_type of ROPE_TYPES and its keys), or None
     max_position_embeddings: int = 8192  # written to the exported config (vLLM sizes its rope cache by it)
     target_hidden_size: int | None = None  # width of the captured states when it differs from H (None: H)
-    target_layers: int | None = None  # the target's decoder layers N (the export checks aux ids against it; None: unknown)
-    target_model_type: str = ""  # the target's text model_type (SGLang numbers a DeepSeek/Kimi target's aux ids its own way)
+    target_layers: int | None = None  # the target's decoder layers N (the export checks aux ids by it; None: unknown)
+    target_model_type: str = ""  # the target's text model_type (SGLang numbers DeepSeek/Kimi aux ids its own way)
     # The draft options vLLM 0.32's eagle3 Llama draft reads from config.json (speculators 0.9.0 trains with
     # the first three on). Each changes the forward; the export writes it so vLLM runs the same model.
     norm_before_fc: bool = False  # one RMSNorm (`input_norm`, width n_aux*H) over the concatenated aux states before fc
@@ -62,7 +62,8 @@ class DraftConfig:
             raise ValueError("aux_layer_ids is empty: EAGLE-3 needs the capture's aux layer ids")
         object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
         if self.norm_before_fc and self.fc_norm:
-            raise ValueError("norm_before_fc and fc_norm are two ways to normalise the aux states before fc: choose one")
+            raise ValueError("norm_before_fc and fc_norm are two ways to normalise the aux states before fc: "
+                             "choose one")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
         object.__setattr__(self, "rope_scaling", _rope_scaling(self.rope_scaling))

@@ -91,7 +91,8 @@ def sglang_layer_ids(d: DraftConfig) -> list[int]:
         raise BadInput(f"draft options {on}: SGLang's LlamaForCausalLMEagle3 does not implement them (it would load "
                        f"the draft and draft with another model){fix}")
     if len(ids) != 3:
-        raise BadInput(f"{len(ids)} aux layers {ids}: SGLang's eagle3 draft fuses exactly 3 (its fc is 3 x hidden){fix}")
+        raise BadInput(f"{len(ids)} aux layers {ids}: SGLang's eagle3 draft fuses exactly 3 (its fc is 3 x hidden)"
+                       f"{fix}")
     last = d.target_layers - 1 if d.target_layers is not None else None
     bad = [i for i in ids if i < 1 or (last is not None and i > last)]
     if bad:  # it captures at the input of layers 0..N-1: neither the embeddings (no residual yet) nor the last output
