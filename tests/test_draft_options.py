@@ -4,12 +4,14 @@ writes every option the way vLLM's llama_eagle3.py applies it (the loss and grad
 on are tested there). The engine side (vLLM's own forward of the exported draft) is
 tests/test_export_options.py."""
 import dataclasses
+import itertools
 
 import pytest
 import torch
 
 from remote.draft.config import DraftConfig
 from remote.draft.model import EagleDraft, TTTAttention
+from remote.train.export import OPTIONS as FLAGS  # the DraftConfig fields the export writes for vLLM
 from tests.test_draft_model import CFG, K, OPTION_SETS, _batch, _reference_states, _rms, _setup
 
 OPTIONS = {
@@ -38,9 +40,14 @@ def _run(draft, b, steps=K):
     return out
 
 
-@pytest.mark.parametrize("name", list(OPTIONS))
-def test_each_option_matches_the_reference(name):
-    draft, _, _ = _setup(cfg=_cfg(OPTIONS[name]))
+# Every combination the config accepts (norm_before_fc and fc_norm exclude each other): 12.
+COMBINATIONS = {"+".join(k for k, v in zip(FLAGS, bits) if v) or "none": dict(zip(FLAGS, bits))
+                for bits in itertools.product((False, True), repeat=len(FLAGS)) if not (bits[0] and bits[1])}
+
+
+@pytest.mark.parametrize("name", list(COMBINATIONS))
+def test_every_combination_matches_the_reference(name):
+    draft, _, _ = _setup(cfg=_cfg(COMBINATIONS[name]))
     b = _batch([9, 14, 6])
     ref = _reference_states(draft, b)
     with torch.no_grad():
