@@ -124,3 +124,13 @@ class ExportConfig(Checked):
     """weight dtype of the export"""
     name: str = ""
     """a name for the model card; "": the folder's name"""
+    engines: list[str] = field(default_factory=list)
+    """the engines the folder is written for: "vllm", and "sglang" when it should serve the draft too (each must
+    run the draft as trained, or the export is refused naming what it lacks); empty: vLLM, and SGLang too when it
+    can run this draft as trained (the model card says which)"""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.engines and ("vllm" not in self.engines or not set(self.engines) <= {"vllm", "sglang"}):
+            raise ConfigError(f"engines: expected 'vllm' (eaglet evaluates the draft in it) and optionally 'sglang', "
+                              f"got {self.engines!r}")
