@@ -47,8 +47,9 @@ class CaptureParams(_Params):
 class TrainParams(_Params):
     draft_vocab_size: int = Field(32000, ge=1, description="tokens of the draft's vocabulary (fewer when the data has fewer)")
     ttt_steps: int = Field(7, ge=1, description="training-time-test steps unrolled")
-    epochs: float = Field(2.0, gt=0, description="passes over the train split")
-    lr: float = Field(3e-4, gt=0, description="peak learning rate (AdamW)")
+    epochs: float = Field(0.0, ge=0, description="passes over the train split; 0: derived from the data size (about 25M tokens, 1 to 10 epochs), ended early when held-out acceptance stops improving")
+    lr: float = Field(1e-3, gt=0, description="peak learning rate (AdamW, and Muon's)")
+    optimizer: Literal["muon", "adamw"] = Field("muon", description="muon: Muon for the draft's weight matrices, AdamW for the rest; adamw: AdamW for all")
     batch_tokens: int = Field(8192, ge=16, description="tokens packed in one step on one process")
     nproc_per_node: int = Field(1, ge=1, description="training processes on each host (one a GPU)")
     checkpoint_every: int = Field(200, ge=1, description="steps between checkpoints")

@@ -54,7 +54,7 @@ def train_config(out_dir: str, target: Any, captured: Any, vocab: DraftVocabInfo
     """remote.train.train's config from the flow's TrainParams; `node` (a tasks.multihost.NodeLaunch of a
     run over several hosts) adds where this host joins torchrun's rendezvous."""
     cfg = {"capture_dir": captured.path, "vocab_dir": vocab.path, "target": target.model, "out_dir": out_dir,
-           "ttt_steps": params.ttt_steps, "epochs": params.epochs, "lr": params.lr,
+           "ttt_steps": params.ttt_steps, "epochs": params.epochs, "lr": params.lr, "optimizer": params.optimizer,
            "token_budget": params.batch_tokens, "nproc_per_node": params.nproc_per_node,
            "checkpoint_every": params.checkpoint_every, "warm_start": params.warm_start}
     if node is not None and node.nnodes > 1:
