@@ -4,6 +4,7 @@ streamed events, bad input. Hidden states are real: the tiny Llama's own, taken 
 capture store's own write_shard."""
 import base64
 import json
+import math
 import os
 import re
 import signal
@@ -401,3 +402,18 @@ def test_resume_refuses_a_checkpoint_of_another_config_by_name(one_token, tmp_pa
     with pytest.raises(BadInput, match=r"another config \(lr: checkpoint 0.003, now 0.01; optimizer: checkpoint "
                                        r"'muon', now 'adamw'\)"):
         changed.resume()
+
+
+def test_the_budget_comes_from_the_data_unless_it_is_set(inputs, tmp_path):
+    """epochs 0: auto_train_tokens' worth of the data, 1 to 10 epochs; train_tokens: that many tokens; the
+    warmup share and the evaluations spread over the steps that gives."""
+    base = {**inputs, "max_steps": 0, "warmup_steps": 0, "out_dir": str(tmp_path / "o")}
+    auto = _trainer(base, tmp_path / "a")  # 25M tokens of a 1k-token set: capped at 10 epochs
+    per_epoch = [len(p) // auto.micro for p in auto.plans]
+    data = sum(min(n, inputs["token_budget"]) for n in auto.index.lengths)
+    assert len(per_epoch) == 10 and auto.total_steps == sum(per_epoch)
+    assert (auto.warmup_steps, auto.eval_every) == (math.ceil(0.01 * auto.total_steps), math.ceil(auto.total_steps / 20))
+    assert _trainer({**base, "auto_train_tokens": 1}, tmp_path / "b").total_steps == per_epoch[0]  # at least one epoch
+    tokens = _trainer({**base, "train_tokens": int(2.5 * data)}, tmp_path / "c")
+    assert tokens.total_steps == round(sum(per_epoch[:3]) * 2.5 / 3)
+    assert _trainer({**base, "epochs": 2.0}, tmp_path / "d").total_steps == sum(per_epoch[:2])

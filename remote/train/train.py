@@ -280,16 +280,6 @@ class Trainer:
         shared = old_ids[at] == new_ids
         return at[shared], shared.nonzero().flatten()
 
-    def _lr_factor(self, s: int) -> float:
-        """The learning rate of optimizer step s (from 0) as a share of the peak."""
-        w = self.warmup_steps
-        if s < w:
-            return (s + 1) / w
-        frac = min(1.0, (s - w) / max(1, self.total_steps - w))
-        r = self.cfg.min_lr_ratio
-        fall = 1 - frac if self.cfg.schedule == "linear" else 0.5 * (1 + math.cos(math.pi * frac))
-        return r + (1 - r) * fall
-
     def _my_batches(self, step: int) -> list[list[int]]:
         """This rank's micro-batches of an optimizer step (data sharded by rank)."""
         for plan in self.plans:
@@ -360,7 +350,7 @@ class Trainer:
         t0 = time.perf_counter()
         host = [self.index.load(b, cfg.token_budget, self.pad) for b in self._my_batches(self.step)]
         batches = [b.to(dev, self.dtype) for b in host]
-        lr = self.opt.set_lr(self._lr_factor(self.step))
+        lr = self.opt.set_lr(lr_factor(self.step, self.total_steps, self.warmup_steps, cfg.schedule, cfg.min_lr_ratio))
         stats, gnorm = optimizer_step(self.model, self.head, batches, self.opt, self.params, self.dist,
                                       cfg.ttt_steps, cfg.grad_clip)
         mine = sum(b.n_tokens for b in host)
@@ -441,6 +431,16 @@ def best_eval(history: list[dict]) -> dict | None:
 
 
 # ----------------------------------------------------------------------------- the optimiser
+def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: float) -> float:
+    """The learning rate of optimizer step `step` (from 0) as a share of the peak: a linear warmup
+    over `warmup` steps, then down to min_ratio at `total`, along a line or a half cosine."""
+    if step < warmup:
+        return (step + 1) / warmup
+    frac = min(1.0, (step - warmup) / max(1, total - warmup))
+    fall = 1 - frac if schedule == "linear" else 0.5 * (1 + math.cos(math.pi * frac))
+    return min_ratio + (1 - min_ratio) * fall
+
+
 class Optimizers:
     """AdamW alone, or Muon beside it: stepped, zeroed, saved and scheduled as one optimiser.
 
