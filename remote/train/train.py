@@ -17,11 +17,20 @@ parameters, whose fp32 weights, grads and AdamW moments (16 B/param, <20 GB) fit
 frozen embedding and target head are bf16 copies per GPU. Sharding them would add gathers to every
 step and save memory nobody is short of. Each rank reads only its own micro-batches.
 
-Writes out_dir/model.safetensors (the draft's trained weights, fp32, no embedding),
-draft_config.json, loss.jsonl (one line an optimizer step) and checkpoints/step-N/ (the last one).
-Checkpoints every `checkpoint_every` steps and at the end hold model, optimizer, scheduler, the
-data position (the step: the packing plan is a function of seed and epoch) and every rank's RNG;
-a killed run started again with the same config continues from the newest one exactly.
+The recipe (docs/TRAINING.md): AdamW, or Muon for the hidden weight matrices beside AdamW; a
+linear warmup, then a linear or cosine fall to min_lr_ratio over the budget (max_steps, or
+train_tokens, or epochs, or by default auto_train_tokens' worth of the data). Every `eval_every`
+steps the draft's offline acceptance length on the held-out split is measured with the evaluate
+step's own chain count (remote.evaluate.evaluate.chain_tally, no engine); the best draft is kept
+aside (checkpoints/best-N/) and the run stops after `patience` evaluations without a better one.
+
+Writes out_dir/model.safetensors (the best held-out draft's weights, or the last ones when there
+was no evaluation; fp32, no embedding), draft_config.json, loss.jsonl (one line an optimizer
+step; an evaluation's figures under "heldout") and checkpoints/step-N/ (the last one). Checkpoints
+every `checkpoint_every` steps and at the end hold model, optimiser, the data position (the step:
+the packing plan is a function of seed and epoch, the learning rate of the step), every rank's RNG
+and the config; a killed run started again with the same config continues from the newest one
+exactly, and one started with another config (beyond RESUMABLE_CHANGES) is refused by key.
 """
 from __future__ import annotations
 
