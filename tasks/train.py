@@ -55,6 +55,7 @@ def train_config(out_dir: str, target: Any, captured: Any, vocab: DraftVocabInfo
     run over several hosts) adds where this host joins torchrun's rendezvous."""
     cfg = {"capture_dir": captured.path, "vocab_dir": vocab.path, "target": target.model, "out_dir": out_dir,
            "ttt_steps": params.ttt_steps, "epochs": params.epochs, "lr": params.lr, "optimizer": params.optimizer,
+           "eval_every": params.eval_every, "patience": params.patience,
            "token_budget": params.batch_tokens, "nproc_per_node": params.nproc_per_node,
            "checkpoint_every": params.checkpoint_every, "warm_start": params.warm_start}
     if node is not None and node.nnodes > 1:

@@ -204,11 +204,13 @@ def test_task_configs_and_loss_artifact():
     from tasks.train import DraftVocabInfo, loss_curve_markdown, train_config
 
     params = SimpleNamespace(ttt_steps=7, epochs=1.5, lr=3e-4, batch_tokens=4096, nproc_per_node=8,
-                             checkpoint_every=200, warm_start="", optimizer="adamw")
+                             checkpoint_every=200, warm_start="", optimizer="adamw", eval_every=10,
+                             patience=3)
     cfg = train_config("/r/train", SimpleNamespace(model="/m"), SimpleNamespace(path="/r/capture"),
                        DraftVocabInfo(path="/r/vocab", draft_vocab_size=10, coverage=0.9), params)
     t = load_config(TrainConfig, cfg)  # every key is one remote.train.train knows
     assert (t.nproc_per_node, t.token_budget, t.epochs, t.target, t.optimizer) == (8, 4096, 1.5, "/m", "adamw")
+    assert (t.eval_every, t.patience) == (10, 3)
     md = loss_curve_markdown([[1, 3.0], [2, 2.5], [3, 2.0]], {"steps": 3, "final_loss": 2.0, "final_acc": [0.5, 0.25]})
     image = re.search(r"!\[training loss\]\(data:image/svg\+xml;base64,([A-Za-z0-9+/=]+)\)", md)
     assert image, md

@@ -177,8 +177,8 @@ class Trainer:
     def _epochs(self) -> float:
         """Passes over the train split the budget asks for (max_steps, when set, cuts the plan instead)."""
         cfg = self.cfg
-        if cfg.epochs and not cfg.train_tokens:
-            return cfg.epochs
+        if cfg.max_steps or (cfg.epochs and not cfg.train_tokens):
+            return cfg.epochs or 1.0
         mine = sum(min(n, cfg.token_budget) for n in self.index.lengths) if self.dist.local_rank == 0 else 0
         data = float(self.dist.all_reduce(torch.tensor(float(mine), device=self.dist.device)))  # every host's split
         if cfg.train_tokens:
