@@ -32,28 +32,13 @@ from remote.evaluate.acceptance import ChainCounts, chain_counts, greedy_walk, l
 from remote.evaluate.config import EvaluateConfig
 from remote.evaluate.online import check_draft, measure_online, summary
 from remote.step import BadInput, begin_step, log, read_manifest, step_main, write_json_atomic
+from remote.train.export import draft_config_from_export
 
 STEP = "evaluate"
 RESULT_FILE = "evaluation.json"
-LOSS_POINTS = 256  # the loss curve kept for the report, at most this many points
 
 
 # ----------------------------------------------------------------------------- the draft as a model
-def draft_config_from_export(c: dict):
-    """The DraftConfig of an exported draft's config.json (the inverse of remote.train.export.vllm_config)."""
-    from remote.draft.config import DraftConfig
-
-    heads = int(c["num_attention_heads"])
-    return DraftConfig(
-        hidden_size=int(c["hidden_size"]), num_heads=heads, num_kv_heads=int(c.get("num_key_value_heads") or heads),
-        head_dim=int(c.get("head_dim") or int(c["hidden_size"]) // heads), intermediate_size=int(c["intermediate_size"]),
-        target_vocab_size=int(c["vocab_size"]), draft_vocab_size=int(c["draft_vocab_size"]),
-        aux_layer_ids=tuple(c["eagle_aux_hidden_state_layer_ids"]), rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(c.get("rope_theta", 10000.0)), rope_scaling=c.get("rope_scaling"),
-        max_position_embeddings=int(c.get("max_position_embeddings", 8192)),
-        target_hidden_size=c.get("target_hidden_size"))
-
-
 def load_draft(draft_dir: str, target: str, device: torch.device, dtype: torch.dtype):
     """(EagleDraft with the target's embedding, TargetHead, t2d) for an exported draft folder."""
     from safetensors.torch import load_file
@@ -80,29 +65,69 @@ def load_draft(draft_dir: str, target: str, device: torch.device, dtype: torch.d
 
 
 # ----------------------------------------------------------------------------- offline
-def chain_of_batch(draft, head, b, steps: int, k: int) -> tuple[ChainCounts, int, int]:
-    """Chain counts of one packed batch (start row t, step k guesses token t+2+k from token t+1+k)
-    and (drafts, accepted) of greedy decoding with k speculative tokens replayed along its turns."""
+def chain_of_batch(draft, head, b, steps: int, k: int, attention: str = "dense",
+                   compiled: bool = False) -> tuple[ChainCounts, int, int]:
+    """Chain counts of one packed batch (start row t, step j guesses token t+2+j from token t+1+j:
+    remote.draft.loss.unroll, the training objective's own) and (drafts, accepted) of greedy
+    decoding with k speculative tokens replayed along its turns."""
+    from remote.draft.loss import read_rows, unroll
     from remote.draft.model import TTTAttention
 
     t = len(b.input_ids)
-    idx = torch.arange(t, device=b.input_ids.device)
     tgt = head.targets(b, steps)
-    attn = TTTAttention(b.doc_ids, "dense")
-    hidden = draft.fc(b.aux)
-    guesses, truths, known = [], [], []
-    for k in range(steps):
-        nxt = (idx + 1 + k).clamp(max=t - 1)  # the token read; the target's top-1 there is the one to match
-        prenorm, normed = draft.step(draft.embed(b.input_ids[nxt]), hidden, b.positions + k, attn)
+    guesses, truths = [], []
+    for j, normed in unroll(draft, b, steps, TTTAttention(b.doc_ids, attention, compiled)):
+        nxt = read_rows(t, j, b.input_ids.device)  # the target's top-1 there is the one to match
         guesses.append(draft.lm_head(normed).argmax(-1))
         # outside the draft vocabulary the target's choice cannot be guessed: -1 never matches
         truths.append(torch.where(tgt.in_draft[nxt], tgt.logits[nxt].argmax(-1), torch.full_like(nxt, -1)))
-        j = (idx + 2 + k).clamp(max=t - 1)
-        known.append((idx + 2 + k < t) & (b.doc_ids[j] == b.doc_ids) & b.loss_mask[j])
-        hidden = prenorm
-    g, tr, kn = torch.stack(guesses, 1).cpu(), torch.stack(truths, 1).cpu(), torch.stack(known, 1).cpu()
+    g, tr, kn = torch.stack(guesses, 1).cpu(), torch.stack(truths, 1).cpu(), tgt.known.T.cpu()
     drafts, accepted = greedy_walk(leading_right(g, tr, kn).tolist(), turn_spans(b.loss_mask.cpu(), b.doc_ids.cpu()), k)
     return chain_counts(g, tr, kn), drafts, accepted
+
+
+@dataclass
+class ChainTally:
+    """Chain counts, replayed (drafts, accepted) and tokens, summed over batches (and ranks)."""
+
+    counts: ChainCounts
+    drafts: int = 0
+    accepted: int = 0
+    tokens: int = 0
+
+    def all_reduce(self, dist) -> "ChainTally":
+        """Summed over every rank of a remote.train.state.Distributed."""
+        flat = torch.cat([self.counts.attempts, self.counts.accepted,
+                          torch.tensor([self.drafts, self.accepted, self.tokens])]).to(dist.device)
+        flat = dist.all_reduce(flat).cpu()
+        n = self.counts.steps
+        return ChainTally(ChainCounts(flat[:n], flat[n:2 * n]), *(int(x) for x in flat[2 * n:]))
+
+    def summary(self, k: int) -> dict:
+        """The figures of the offline evaluation (k speculative tokens, every measured step's table)."""
+        c = self.counts
+        return {"acceptance_length": c.acceptance_length(k), "k": k, "tokens": self.tokens,
+                "replayed_acceptance_length": 1 + self.accepted / self.drafts if self.drafts else None,
+                "replayed": {"drafts": self.drafts, "accepted": self.accepted},
+                "acceptance_length_by_k": [c.acceptance_length(j) for j in range(c.steps + 1)], **c.to_dict()}
+
+
+def heldout_plan(index, token_budget: int, max_tokens: int) -> list[list[int]]:
+    """Batches of held-out samples by sample id (a stable subset when max_tokens cuts)."""
+    from remote.draft.data import pack
+
+    order = sorted(range(len(index.refs)), key=lambda i: index.refs[i].sample_id)
+    return pack(index.lengths, token_budget, order, max_tokens)
+
+
+@torch.no_grad()
+def chain_tally(draft, head, batches, steps: int, k: int, attention: str = "dense", compiled: bool = False) -> ChainTally:
+    """Count the draft's chains over packed batches (on the draft's device) that carry their in-draft flags."""
+    tally = ChainTally(ChainCounts.zeros(steps))
+    for b in batches:
+        c, d, a = chain_of_batch(draft, head, b, steps, k, attention, compiled)
+        tally = ChainTally(tally.counts + c, tally.drafts + d, tally.accepted + a, tally.tokens + b.n_tokens)
+    return tally
 
 
 @torch.no_grad()
@@ -119,40 +144,20 @@ def measure_offline(cfg: EvaluateConfig, steps: int) -> dict:
     device, dtype = torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32
     draft, head, t2d = load_draft(cfg.draft_dir, cfg.target, device, dtype)
     t0 = time.perf_counter()
-    k = min(cfg.num_speculative_tokens, steps)
-    counts, tokens, loss_tokens, covered, drafts, accepted = ChainCounts.zeros(steps), 0, 0, 0, 0, 0
-    order = sorted(range(len(index.refs)), key=lambda i: index.refs[i].sample_id)  # a stable subset
-    batches = _batches(order, index.lengths, cfg.token_budget, cfg.offline_max_tokens)
-    for batch in batches:  # seconds even on a CPU: no progress events (the online run's are the step's)
-        b = index.load(batch, cfg.token_budget).to(device, dtype)
-        c, d, a = chain_of_batch(draft, head, b, steps, k)
-        counts, drafts, accepted = counts + c, drafts + d, accepted + a
-        tokens += b.n_tokens
-        loss_ids = b.input_ids[b.loss_mask].cpu()
-        loss_tokens += len(loss_ids)
-        covered += int(t2d[loss_ids].sum())
-    return {"steps": steps, "samples": sum(len(b) for b in batches), "tokens": tokens,
-            "heldout_coverage": covered / loss_tokens if loss_tokens else None,
-            "acceptance_length": counts.acceptance_length(k), "k": k,
-            "replayed_acceptance_length": 1 + accepted / drafts if drafts else None,
-            "replayed": {"drafts": drafts, "accepted": accepted},
-            "acceptance_length_by_k": [counts.acceptance_length(j) for j in range(steps + 1)],
-            **counts.to_dict(), "seconds": time.perf_counter() - t0}
+    plan = heldout_plan(index, cfg.token_budget, cfg.offline_max_tokens)
+    loss_ids = []  # the held-out loss tokens, for the vocabulary's coverage of them
 
+    def batches():  # seconds even on a CPU: no progress events (the online run's are the step's)
+        for p in plan:
+            b = index.load(p, cfg.token_budget)
+            loss_ids.append(b.input_ids[b.loss_mask])
+            yield b.to(device, dtype)
 
-def _batches(order: list[int], lengths: list[int], budget: int, max_tokens: int) -> list[list[int]]:
-    out, cur, used, total = [], [], 0, 0
-    for i in order:
-        n = min(lengths[i], budget)
-        if total + n > max_tokens and out:
-            break
-        if cur and used + n > budget:
-            out.append(cur)
-            cur, used = [], 0
-        cur.append(i)
-        used += n
-        total += n
-    return out + ([cur] if cur else [])
+    tally = chain_tally(draft, head, batches(), steps, min(cfg.num_speculative_tokens, steps))
+    ids = torch.cat(loss_ids)
+    return {"steps": steps, "samples": sum(len(p) for p in plan),
+            "heldout_coverage": int(t2d[ids].sum()) / len(ids) if len(ids) else None,
+            **tally.summary(min(cfg.num_speculative_tokens, steps)), "seconds": time.perf_counter() - t0}
 
 
 # ----------------------------------------------------------------------------- provenance
@@ -172,17 +177,9 @@ def provenance(cfg: EvaluateConfig) -> dict:
         t = train_m.get("train", {})
         out["data_fingerprint"] = t.get("data_fingerprint")
         out["train_figures"] = train_m.get("figures", {})
-        out["loss_curve"] = _loss_curve(Path(train_dir) / t.get("loss_curve", "loss.jsonl"))
+        out["loss_curve"] = t.get("loss_points", [])  # thinned by the train step
+        out["heldout_curve"] = t.get("heldout_points", [])
     return out
-
-
-def _loss_curve(path: Path) -> list[list[float]]:
-    if not path.is_file():
-        return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    every = max(1, len(rows) // LOSS_POINTS)
-    keep = rows[::every] + ([rows[-1]] if rows and (len(rows) - 1) % every else [])
-    return [[r["step"], r["loss"]] for r in keep]
 
 
 # ----------------------------------------------------------------------------- the step

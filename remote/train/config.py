@@ -33,32 +33,71 @@ class VocabConfig(VocabOptions):
 
 @dataclass(frozen=True, kw_only=True)
 class TrainOptions(Checked):
-    """How the draft is trained (the training-time-test objective, AdamW with a cosine schedule)."""
+    """How the draft is trained: the training-time-test objective, Muon + AdamW on a decaying schedule, a
+    budget from the data size, held-out acceptance measured during training and the best draft kept
+    (docs/TRAINING.md has the measurements behind each default)."""
 
+    # -- the objective
     ttt_steps: int = bounded(7, ge=1)
     """training-time-test steps unrolled"""
-    step_decay: float = bounded(0.8, gt=0)
-    """loss weight of TTT step k is step_decay**k"""
+    step_decay: float = bounded(1.0, gt=0)
+    """loss weight of TTT step k is step_decay**k (1.0: every step alike)"""
+    drop_outside_top1: bool = True
+    """drop positions whose target top-1 is outside the draft vocabulary"""
+    train_lm_head: bool = True
+    """train the draft lm_head (false: keep the target's rows frozen)"""
+    init_lm_head_from_target: bool = True
+    """start lm_head from the target's rows of the draft vocabulary"""
+    draft_overrides: dict = field(default_factory=dict)
+    """DraftConfig fields that differ from the target's (e.g. norm_before_fc, norm_before_residual, norm_output)"""
+    # -- the budget (the first that is set of: max_steps, train_tokens, epochs, auto_train_tokens)
     token_budget: int = bounded(8192, ge=16)
     """tokens packed in one micro-batch of one process (samples packed, longer ones cut)"""
     grad_accum: int = bounded(1, ge=1)
     """micro-batches per process per optimizer step"""
-    epochs: float = bounded(2.0, gt=0)
-    """passes over the train split, fractions allowed (ignored when max_steps > 0)"""
     max_steps: int = bounded(0, ge=0)
-    """optimizer steps; 0: as many as the epochs give"""
-    lr: float = bounded(3e-4, gt=0)
-    """peak learning rate (AdamW)"""
-    min_lr_ratio: float = bounded(0.1, ge=0, le=1)
-    """the cosine ends at lr * min_lr_ratio"""
-    warmup_steps: int = bounded(0, ge=0)
-    """linear warmup steps"""
-    weight_decay: float = bounded(0.0, ge=0)
-    """AdamW decoupled weight decay"""
-    betas: tuple[float, float] = (0.9, 0.95)
+    """optimizer steps; 0: as many as the token budget or the epochs give"""
+    train_tokens: int = bounded(0, ge=0)
+    """tokens to train on, all processes and hosts together; 0: from epochs"""
+    epochs: float = bounded(0.0, ge=0)
+    """passes over the train split, fractions allowed; 0: auto_train_tokens' worth"""
+    auto_train_tokens: int = bounded(25_000_000, ge=1)
+    """with epochs 0: train on about this many tokens, at least 1 and at most 10 epochs"""
+    # -- the optimiser and its schedule
+    optimizer: Literal["muon", "adamw"] = "muon"
+    """muon: Muon for the draft's hidden weight matrices, AdamW for the rest; adamw: AdamW for all"""
+    lr: float = bounded(1e-3, gt=0)
+    """peak learning rate (AdamW; Muon's too unless muon_lr is set)"""
+    muon_lr: float = bounded(0.0, ge=0)
+    """peak learning rate of Muon (its update scaled to AdamW's RMS); 0: lr"""
+    muon_momentum: float = bounded(0.95, ge=0, lt=1)
+    """Muon's (Nesterov) momentum"""
+    muon_weight_decay: float = bounded(0.1, ge=0)
+    """Muon's decoupled weight decay"""
+    weight_decay: float = bounded(0.01, ge=0)
+    """AdamW's decoupled weight decay"""
+    betas: tuple[float, float] = (0.9, 0.999)
     """AdamW betas"""
-    grad_clip: float = bounded(0.5, ge=0)
+    schedule: Literal["linear", "cosine"] = "linear"
+    """after warmup the learning rate falls to lr * min_lr_ratio, linearly or as a cosine"""
+    min_lr_ratio: float = bounded(0.0, ge=0, le=1)
+    """where the schedule ends, as a share of the peak"""
+    warmup: float = bounded(0.01, ge=0, lt=1)
+    """linear warmup, as a share of the optimizer steps"""
+    warmup_steps: int = bounded(0, ge=0)
+    """linear warmup in steps; > 0 replaces warmup"""
+    grad_clip: float = bounded(1.0, ge=0)
     """max global gradient norm; 0: no clipping"""
+    # -- held-out evaluation, best checkpoint, early stop
+    eval_every: int = bounded(0, ge=0)
+    """optimizer steps between held-out acceptance measurements (and one at the end); 0: 20 over the run"""
+    eval_tokens: int = bounded(65536, ge=0)
+    """held-out tokens a measurement reads at most (all processes together); 0: no measurement"""
+    eval_k: int = bounded(3, ge=1)
+    """speculative tokens of the held-out acceptance length (at most ttt_steps)"""
+    patience: int = bounded(5, ge=0)
+    """stop after this many held-out measurements without a better one; 0: never early"""
+    # -- checkpoints, processes, devices
     checkpoint_every: int = bounded(200, ge=1)
     """optimizer steps between checkpoints (one is always written at the end)"""
     keep_checkpoints: int = bounded(1, ge=1)
@@ -71,14 +110,6 @@ class TrainOptions(Checked):
     """torch.compile the dense layer parts and flex attention: auto (on cuda), yes or no"""
     pad_multiple: int = bounded(0, ge=0)
     """pad each micro-batch to a multiple of this (0: token_budget when compiled, else 1)"""
-    train_lm_head: bool = True
-    """train the draft lm_head (false: keep the target's rows frozen)"""
-    init_lm_head_from_target: bool = True
-    """start lm_head from the target's rows of the draft vocabulary"""
-    drop_outside_top1: bool = True
-    """drop positions whose target top-1 is outside the draft vocabulary"""
-    draft_overrides: dict = field(default_factory=dict)
-    """DraftConfig fields that differ from the target's"""
     warm_start: str = ""
     """a draft folder to start from (the nightly run's current draft); empty: from scratch"""
     nproc_per_node: int = bounded(1, ge=1)
