@@ -22,7 +22,7 @@ STEPS = {  # step -> (its config, a changed key and value)
     "capture": ({"dataset": f"{NOWHERE}/data.parquet", "target": f"{NOWHERE}/model", "cache_root": f"{NOWHERE}/cache"},
                 ("samples_per_shard", 8)),
     "vocab": ({"data": f"{NOWHERE}/prepare", "target": f"{NOWHERE}/model"}, ("draft_vocab_size", 100)),
-    "train": ({"capture_dir": f"{NOWHERE}/capture", "vocab_dir": f"{NOWHERE}/vocab"}, ("lr", 1e-3)),
+    "train": ({"capture_dir": f"{NOWHERE}/capture", "vocab_dir": f"{NOWHERE}/vocab"}, ("lr", 5e-4)),
     "export": ({"train_dir": f"{NOWHERE}/train", "vocab_dir": f"{NOWHERE}/vocab"}, ("dtype", "float32")),
     "evaluate": ({"target": f"{NOWHERE}/model", "draft_dir": f"{NOWHERE}/draft", "data": f"{NOWHERE}/data.parquet"},
                  ("prompts", 4)),
@@ -112,9 +112,9 @@ def test_train_resumes_only_a_staging_folder_of_its_own_config(tmp_path):
     raw = _raw("train", tmp_path)
     out = StepOutput(raw["out_dir"], "train", begin_step(cls, raw, "train")[1].config)
     (out.open() / "checkpoints").mkdir()
-    with pytest.raises(BadInput, match=r"train\.partial holds an unfinished run of another config \(lr 0\.0003 there, "
-                                       r"0\.001 now\): run it again with that config to resume it, or delete"):
-        module.run(_raw("train", tmp_path, lr=1e-3))
+    with pytest.raises(BadInput, match=r"train\.partial holds an unfinished run of another config \(lr 0\.001 there, "
+                                       r"0\.0005 now\): run it again with that config to resume it, or delete"):
+        module.run(_raw("train", tmp_path, lr=5e-4))
     _, same, done = begin_step(cls, raw, "train", resumes=True)
     assert done is None and (same.staging / "checkpoints").is_dir(), "the same config resumes: nothing removed"
-    assert load_config(cls, raw).lr == 3e-4
+    assert load_config(cls, raw).lr == 1e-3

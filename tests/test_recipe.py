@@ -112,10 +112,11 @@ def test_schedules_warm_up_then_fall_to_the_floor():
     assert lr_factor(6, 10, 2, "cosine", 0.0) == pytest.approx(0.5)  # half way down the half cosine
 
 
-@pytest.mark.parametrize("bad, message", [({"optimizer": "sgd"}, "optimizer='sgd': choose adamw, muon"),
-                                          ({"schedule": "step"}, "schedule='step': choose linear, cosine"),
-                                          ({"warmup": 1.0}, "warmup=1.0 in"), ({"patience": -1}, "patience=-1"),
-                                          ({"eval_k": 0}, "eval_k=0")])
+@pytest.mark.parametrize("bad, message", [({"optimizer": "sgd"}, "optimizer 'sgd': choose one of 'muon', 'adamw'"),
+                                          ({"schedule": "step"}, "schedule 'step': choose one of 'linear', 'cosine'"),
+                                          ({"warmup": 1.0}, "warmup: expected a number >= 0 and < 1, got 1.0"),
+                                          ({"patience": -1}, "patience: expected an integer >= 0, got -1"),
+                                          ({"eval_k": 0}, "eval_k: expected an integer >= 1, got 0")])
 def test_bad_recipe_settings_are_refused_by_name(bad, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         _cfg(**bad)

@@ -339,7 +339,7 @@ def test_diverging_run_publishes_its_best_draft_not_its_last(one_token, tmp_path
     assert export_main(["--config", str(tmp_path / "export.json")]) == 0
     target = json.loads((Path(one_token["capture_dir"]) / "manifest.json").read_text())["capture"]["target"]
     ev = EvaluateConfig(target=target, draft_dir=str(tmp_path / "draft"), data="", out_dir=str(tmp_path / "ev"),
-                        capture_dir=one_token["capture_dir"], run_online=False, device="cpu")
+                        capture_dir=one_token["capture_dir"], online=False, device="cpu")
     assert measure_offline(ev, 3)["acceptance_length"] == 4.0
 
 
