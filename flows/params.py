@@ -49,7 +49,7 @@ class TrainParams(_Params):
     ttt_steps: int = Field(7, ge=1, description="training-time-test steps unrolled")
     epochs: float = Field(0.0, ge=0, description="passes over the train split; 0: derived from the data size (about 25M tokens, 1 to 10 epochs), ended early when held-out acceptance stops improving")
     lr: float = Field(1e-3, gt=0, description="peak learning rate (AdamW, and Muon's)")
-    optimizer: Literal["muon", "adamw"] = Field("muon", description="muon: Muon for the draft's weight matrices, AdamW for the rest; adamw: AdamW for all")
+    optimizer: Literal["adamw", "muon"] = Field("adamw", description="adamw: AdamW for all weights; muon: Muon for the draft's weight matrices, AdamW for the rest")
     eval_every: int = Field(0, ge=0, description="steps between held-out acceptance measurements (the best draft is published); 0: 20 over the run")
     patience: int = Field(5, ge=0, description="stop after this many held-out measurements without a better one; 0: never early")
     batch_tokens: int = Field(8192, ge=16, description="tokens packed in one step on one process")

@@ -80,7 +80,7 @@ class TrainConfig:
     epochs: float = 0.0  # passes over the train split, fractions allowed; 0: auto_train_tokens' worth
     auto_train_tokens: int = 25_000_000  # with epochs 0: about this many tokens, at least 1 and at most 10 epochs
     # -- the optimiser and its schedule
-    optimizer: str = "muon"  # "adamw", or "muon": Muon for the hidden weight matrices, AdamW for the rest
+    optimizer: str = "adamw"  # "adamw", or "muon": Muon for the hidden weight matrices, AdamW for the rest
     lr: float = 1e-3  # peak learning rate (AdamW; Muon's too unless muon_lr is set)
     muon_lr: float = 0.0  # peak learning rate of Muon (its update scaled to AdamW's RMS); 0: lr
     muon_momentum: float = 0.95  # Muon's (Nesterov) momentum
