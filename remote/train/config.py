@@ -33,7 +33,7 @@ class VocabConfig(VocabOptions):
 
 @dataclass(frozen=True, kw_only=True)
 class TrainOptions(Checked):
-    """How the draft is trained: the training-time-test objective, Muon + AdamW on a decaying schedule, a
+    """How the draft is trained: the training-time-test objective, AdamW (or Muon for the matrices) on a decaying schedule, a
     budget from the data size, held-out acceptance measured during training and the best draft kept
     (docs/TRAINING.md has the measurements behind each default)."""
 
@@ -64,7 +64,7 @@ class TrainOptions(Checked):
     auto_train_tokens: int = bounded(25_000_000, ge=1)
     """with epochs 0: train on about this many tokens, at least 1 and at most 10 epochs"""
     # -- the optimiser and its schedule
-    optimizer: Literal["muon", "adamw"] = "muon"
+    optimizer: Literal["muon", "adamw"] = "adamw"
     """muon: Muon for the draft's hidden weight matrices, AdamW for the rest; adamw: AdamW for all"""
     lr: float = bounded(1e-3, gt=0)
     """peak learning rate (AdamW; Muon's too unless muon_lr is set)"""
