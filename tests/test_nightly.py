@@ -464,7 +464,7 @@ def test_worse_draft_is_not_promoted(nights):
 
 @pytest.mark.slow
 @pytest.mark.prefect_server
-def test_failed_night_leaves_current_and_memory_as_they_were(nights):
+def test_failed_night_leaves_current_and_memory_as_they_were(nights, prefect_api):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter
 
