@@ -8,7 +8,7 @@ On a real Prefect server (its own PREFECT_HOME, a free 127.0.0.1 port), with the
 
 1. direct: `python -m flows.train_draft --preset ...` against the server, wall time;
 2. deployed: `prefect --no-prompt deploy --all` once, then `prefect deployment run
-   'train-draft/manual' -p ... --watch` through a worker started beforehand (a worker is
+   'train-draft/tiny' -p ... --watch` through a worker started beforehand (a worker is
    long-lived; its start is reported apart), wall time. Direct and deployed runs alternate, each on
    a fresh host root, so both do the same work;
 3. nightly: `python -m flows.nightly` twice on the same data; the second finds nothing new.
@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tests.fixtures.models import make_tiny_llama  # noqa: E402
-from tests.fixtures.prefect_server import MANUAL, POOL, PrefectServer  # noqa: E402
+from tests.fixtures.prefect_server import POOL, TINY, PrefectServer  # noqa: E402
 from tests.fixtures.tiny_run import prefect_args, tiny_params, write_chats  # noqa: E402
 
 
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             direct.append(timed([sys.executable, "-m", "flows.train_draft", "--preset", str(preset_file(tmp, params))],
                                 server, tmp / f"direct-{i}.log"))
             params = tiny_params(tmp / f"root-deployed-{i}", model, [chats])
-            deployed.append(timed([sys.executable, "-m", "prefect", "deployment", "run", MANUAL, *prefect_args(params),
+            deployed.append(timed([sys.executable, "-m", "prefect", "deployment", "run", TINY, *prefect_args(params),
                                    "--watch", "--watch-interval", "1"], server, tmp / f"deployed-{i}.log"))
         figures["direct_run_s"] = [round(s, 1) for s in direct]
         figures["deployed_run_s"] = [round(s, 1) for s in deployed]

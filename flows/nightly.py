@@ -17,7 +17,6 @@ import argparse
 import dataclasses
 import json
 import sys
-import time
 from pathlib import Path
 
 from prefect import flow, get_run_logger
@@ -26,13 +25,14 @@ from pydantic import BaseModel, Field
 
 from flows.params import (CaptureParams, DataParams, EvalParams, RendezvousParams, TargetParams, TrainDraftParams,
                           TrainParams)
+from flows.run_names import flow_run_label, run_folder, tag_run
 from flows.train_draft import TrainDraftResult, train_draft
 from remote.config import bounded
 from remote.evaluate.config import PromoteOptions
 from tasks.context import RunContext
-from tasks.errors import BadInputError
 from tasks.host_slot import host_slot
 from tasks.host import HostParams
+from tasks.inputs import bad_input, check_inputs, exit_status
 from tasks.nightly_data import DataDelta, commit_night, find_new_data
 from tasks.notify import notify_failure
 from tasks.promote import PromotionDecision, current_draft, promote_if_better
@@ -54,7 +54,6 @@ class NightlyRunParams(TrainDraftParams):
     """A preset of the training flow plus the nightly's own settings (what `--preset` files hold)."""
 
     nightly: NightlyParams = Field(default_factory=NightlyParams)
-    notify: str = Field("", description="where a failure is posted: a webhook URL or secret:<Secret block>")
 
 
 class NightlyResult(BaseModel):
@@ -66,7 +65,16 @@ class NightlyResult(BaseModel):
     decision: PromotionDecision | None = None
 
 
-@flow(name="train-draft-nightly", log_prints=True, on_failure=[notify_failure], on_crashed=[notify_failure])
+def nightly_run_label() -> str:
+    """The run's name: nightly-<name>-<scheduled start>, host and target (its folder on the host is the first part)."""
+    from prefect.runtime import flow_run
+
+    nightly = NightlyParams.model_validate(flow_run.parameters.get("nightly") or {})
+    return flow_run_label(prefix=f"nightly-{nightly.name}-")
+
+
+@flow(name="train-draft-nightly", flow_run_name=nightly_run_label, log_prints=True, persist_result=True,
+      result_serializer="json", on_failure=[notify_failure], on_crashed=[notify_failure])
 def nightly_retrain(
     host: HostParams = HostParams(),
     extra_hosts: list[HostParams] = [],  # noqa: B006 - Prefect parameters: never mutated
@@ -77,14 +85,16 @@ def nightly_retrain(
     train: TrainParams = TrainParams(),
     eval: EvalParams = EvalParams(),
     nightly: NightlyParams = NightlyParams(),
-    notify: str = "",
     run_name: str = "",
 ) -> NightlyResult:
     """Retrain on new data; promote only a better draft."""
     if extra_hosts:  # the new-data files are written on the first host only
-        raise BadInputError("the nightly retrain runs on one host; extra_hosts is for the training flow "
-                            f"(got {len(extra_hosts)} extra)")
-    run_name = run_name or f"nightly-{nightly.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+        return bad_input([f"extra_hosts: the nightly retrain runs on one host (got {len(extra_hosts)} extra); "
+                          "leave extra_hosts empty, or run the training flow for several hosts"])
+    run_name = run_folder(run_name, prefix=f"nightly-{nightly.name}-")
+    tag_run(host, target)
+    if problems := check_inputs([host], target, data):  # before the slot: a misspelt host leaves no limit
+        return bad_input(problems)
     with host_slot(host) as waited:
         code = ship_code_task(host)
         ctx = RunContext(host=host, code=code, run_name=run_name)
@@ -135,8 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     overrides = dict(_key_value(ap, item) for item in args.set)
     params = NightlyRunParams.from_preset(args.preset, overrides)
-    result = nightly_retrain(**{name: getattr(params, name) for name in NightlyRunParams.model_fields})
-    text = json.dumps(result.model_dump(mode="json"), indent=2)
+    state = nightly_retrain(**{name: getattr(params, name) for name in NightlyRunParams.model_fields},
+                            return_state=True)
+    if status := exit_status(state):
+        return status
+    text = json.dumps(state.result().model_dump(mode="json"), indent=2)
     print(text)
     if args.result:
         Path(args.result).write_text(text + "\n")

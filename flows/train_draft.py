@@ -13,19 +13,20 @@ import argparse
 import dataclasses
 import json
 import sys
-import time
 
 from prefect import flow, get_run_logger, unmapped
 from pydantic import BaseModel
 
 from flows.params import (CaptureParams, DataParams, EvalParams, RendezvousParams, TargetParams, TrainDraftParams,
                           TrainParams)
+from flows.run_names import flow_run_label, run_folder, tag_run
 from tasks.capture import capture_hidden_states, patch_worker
 from tasks.context import RunContext
 from tasks.errors import BadInputError
-from tasks.evaluate import evaluate_draft
+from tasks.evaluate import evaluate_draft, publish_summary
 from tasks.host_slot import host_slot
 from tasks.host import HostParams
+from tasks.inputs import bad_input, check_inputs, exit_status
 from tasks.multihost import copy_vocab, rendezvous as plan_rendezvous, same_data
 from tasks.notify import notify_failure
 from tasks.prepare import embedded_default, prepare_data
@@ -42,7 +43,10 @@ class TrainDraftResult(BaseModel):
     figures: dict
 
 
-@flow(name="train-draft", log_prints=True, on_failure=[notify_failure], on_crashed=[notify_failure])
+# The result is persisted (JSON, in the worker's result storage) so a finished run's draft path and
+# figures can be read back through the API: client.read_flow_run(id).state.result().
+@flow(name="train-draft", flow_run_name=flow_run_label, log_prints=True, persist_result=True,
+      result_serializer="json", on_failure=[notify_failure], on_crashed=[notify_failure])
 def train_draft(
     host: HostParams = HostParams(),
     extra_hosts: list[HostParams] = [],  # noqa: B006 - Prefect parameters: never mutated
@@ -61,14 +65,17 @@ def train_draft(
     p = TrainDraftParams(host=host, extra_hosts=extra_hosts, rendezvous=rendezvous, run_name=run_name,
                          target=target, data=data, capture=capture, train=train, eval=eval)
     hosts = [p.host, *p.extra_hosts]
+    tag_run(p.host, p.target)
+    if problems := check_inputs(hosts, p.target, p.data):  # before the slot, the embedded default, any step
+        return bad_input(problems)
     nodes = plan_rendezvous(hosts, p.rendezvous.port, p.rendezvous.address)  # node 0 first
     with host_slot(*hosts):  # one run at a time on a host: a manual run and the nightly one queue here
         codes = ship_code_task.map(hosts).result()
-        name = p.run_name or time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        name = run_folder(p.run_name)
         ctxs = [RunContext(host=n.host, code=c, run_name=name, part=n.node_rank, parts=n.nnodes)
                 for n, c in zip(nodes, codes)]
         ctx = ctxs[0]
-        get_run_logger().info("run folder on %s: %s", p.host.name or p.host.kind, ctx.run_dir)
+        get_run_logger().info("run folder on %s: %s", p.host.display_name, ctx.run_dir)
         if not p.target.model or not p.data.inputs:
             p = _with_embedded_default(ctxs, p)
 
@@ -82,6 +89,7 @@ def train_draft(
                                           nodes).result()[0]  # every host at once: torchrun waits for all
         draft = export_draft(ctx, p.target, captured[0], vocab, checkpoint, dataset)
         report = evaluate_draft(ctx, p.target, draft, dataset, captured[0], p.eval)
+        publish_summary(report)
     return TrainDraftResult(run_dir=ctx.run_dir, draft_dir=draft.path, data_fingerprint=dataset.fingerprint,
                             figures=report.figures)
 
@@ -113,8 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         except json.JSONDecodeError:
             overrides[key] = raw
     params = TrainDraftParams.from_preset(args.preset, overrides)
-    result = train_draft(**{name: getattr(params, name) for name in TrainDraftParams.model_fields})
-    print(json.dumps(result.model_dump(), indent=2))
+    state = train_draft(**{name: getattr(params, name) for name in TrainDraftParams.model_fields}, return_state=True)
+    if status := exit_status(state):
+        return status
+    print(json.dumps(state.result().model_dump(), indent=2))
     return 0
 
 

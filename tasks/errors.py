@@ -2,13 +2,16 @@
 
 Transient (retried with backoff): the connection was refused, dropped or reset (`HostUnreachable`);
 the remote process crashed, was killed or ran out of time (`RemoteFault`, `CommandTimedOut`).
-Not transient (fail at once): the input is wrong (`BadInputError`, a remote exit 65), the host key
-is unknown or changed (`HostKeyRefused`), the login was refused (`LoginRefused`).
+Not transient (fail at once): the input is wrong (`BadInputError`, a remote exit 65), the host's name
+does not resolve (a `HostUnreachable` caused by the resolver's "no such name": a misspelt hostname,
+not a fault of the moment), the host key is unknown or changed (`HostKeyRefused`), the login was
+refused (`LoginRefused`).
 
 A Prefect task opts in with `@task(retries=3, retry_condition_fn=retry_condition)`.
 """
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 
@@ -45,7 +48,20 @@ _TRANSIENT = (HostUnreachable, RemoteFault)
 
 def is_transient(exc: BaseException | None) -> bool:
     """True when trying again may succeed: a connection fault or a remote crash, never bad input."""
-    return isinstance(exc, _TRANSIENT)
+    return isinstance(exc, _TRANSIENT) and not name_unresolved(exc)
+
+
+# The resolver's answers that a name does not exist; EAI_AGAIN ("temporary failure") may pass and is retried.
+_NO_SUCH_NAME = {getattr(socket, n) for n in ("EAI_NONAME", "EAI_NODATA", "EAI_ADDRFAMILY") if hasattr(socket, n)}
+
+
+def name_unresolved(exc: BaseException | None) -> bool:
+    """True when exc was caused (at any depth) by the resolver saying the host's name does not exist."""
+    while exc is not None:
+        if isinstance(exc, socket.gaierror) and exc.errno in _NO_SUCH_NAME:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def retry_condition(task: Any, task_run: Any, state: Any) -> bool:

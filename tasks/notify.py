@@ -1,28 +1,25 @@
-"""Make a failed run loud: which step failed, its error and the last remote log lines, in the UI and
-posted to the user's channel.
+"""Make a failed run loud: which step failed, its error and the last log lines of that step, in the UI
+and, through a Prefect automation, in the user's channel.
 
     @flow(on_failure=[notify_failure], on_crashed=[notify_failure])
-    def nightly_retrain(..., notify: str = ""): ...
+    def train_draft(...): ...
 
-Where it posts, first found wins: the flow's `notify` parameter, else the Prefect Variable
-`eaglet_notify` (`prefect variable set eaglet_notify https://hooks.example/...`, once for every
-flow). Either holds a URL, or `secret:<block>` naming a Prefect Secret block that holds the URL
-(Slack and Teams webhook URLs are secrets: keep them out of logged parameters). The post is JSON
-with a `text` field (what Slack, Mattermost and Teams incoming webhooks show) beside the fields.
-Without a destination the report is still written as the run's `failure-report` artifact.
+The hook writes the run's `failure-report` artifact and emits the Prefect event `eaglet.run.failed`
+with the report in its payload. The automation `eaglet: a run failed` sends every such event to a
+notification block (the webhook URL lives in the block: Slack, Teams, Mattermost, a custom webhook).
+prefect.yaml declares it with the deployments: its build step `declare_failure_automation` creates
+or updates it at every `prefect deploy` when the block exists (docs/DEPLOYING.md, "When a run fails").
 """
 from __future__ import annotations
 
-import json
 import logging
-import urllib.request
 from dataclasses import asdict, dataclass
-from typing import Any
 
 log = logging.getLogger("eaglet.notify")
-VARIABLE = "eaglet_notify"
 LOG_TAIL = 20  # log lines of the failed step in the report (the remote lines carry the host prefix)
-POST_TIMEOUT_S = 10
+EVENT = "eaglet.run.failed"
+AUTOMATION = "eaglet: a run failed"
+BLOCK = "custom-webhook/eaglet-failures"  # <block type slug>/<block name>: prefect.yaml's default
 
 
 @dataclass(frozen=True)
@@ -82,28 +79,17 @@ def _with_subflows(client, run_id, depth: int = 3) -> list:
     return ids
 
 
-def destination(client, parameters: dict[str, Any]) -> str:
-    """The URL to post to ('' for none): the notify parameter, else the eaglet_notify Variable."""
-    target = str(parameters.get("notify") or "")
-    if not target:
-        variable = client.read_variable_by_name(VARIABLE)
-        target = str(variable.value) if variable is not None and variable.value else ""
-    if target.startswith("secret:"):
-        from prefect.blocks.system import Secret
+def emit_failure_event(flow_run, report: FailureReport) -> None:
+    """The event the automation sends on: the flow run is its resource, the report its payload."""
+    from prefect.events import emit_event
 
-        target = str(Secret.load(target[len("secret:"):]).get())
-    return target
-
-
-def post(url: str, report: FailureReport) -> None:
-    body = json.dumps({"text": report.markdown(), **asdict(report)}).encode()
-    req = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=POST_TIMEOUT_S) as resp:  # noqa: S310 - the user's own URL
-        resp.read()
+    emit_event(event=EVENT, resource={"prefect.resource.id": f"prefect.flow-run.{flow_run.id}",
+                                      "prefect.resource.name": flow_run.name},
+               payload={"text": report.markdown(), **asdict(report)})
 
 
 def notify_failure(flow, flow_run, state) -> None:
-    """Prefect on_failure / on_crashed hook: a `failure-report` artifact, then a post when one is set.
+    """Prefect on_failure / on_crashed hook: a `failure-report` artifact and an `eaglet.run.failed` event.
 
     A hook must not fail the run a second time: every error here is logged and swallowed on purpose.
     """
@@ -119,9 +105,38 @@ def notify_failure(flow, flow_run, state) -> None:
             client.create_artifact(ArtifactCreate(key="failure-report", type="markdown", data=report.markdown(),
                                                   description=f"why {flow_run.name} failed",
                                                   flow_run_id=flow_run.id))
-            url = destination(client, flow_run.parameters or {})
-        if url:
-            post(url, report)
-            log.info("failure of %s posted", flow_run.name)
+        emit_failure_event(flow_run, report)
     except Exception:  # noqa: BLE001 - see the docstring
         log.exception("eaglet: could not report the failure of flow run %s", getattr(flow_run, "name", "?"))
+
+
+def declare_failure_automation(block: str = BLOCK) -> dict:
+    """A `prefect deploy` build step: the automation `eaglet: a run failed` -> the notification block
+    `block` ("<type slug>/<name>"), created or updated. Without the block it says so and makes nothing."""
+    from datetime import timedelta
+
+    from prefect.automations import Automation
+    from prefect.blocks.core import Block
+    from prefect.events.actions import SendNotification
+    from prefect.events.schemas.automations import EventTrigger
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        target = Block.load(block)
+    except (ValueError, ObjectNotFound):
+        print(f"no notification block {block}: failed runs are reported in the UI only (docs/DEPLOYING.md)")
+        return {"automation": ""}
+    automation = Automation(
+        name=AUTOMATION, description="post the failure report of every failed eaglet run to " + block,
+        trigger=EventTrigger(expect={EVENT}, match={"prefect.resource.id": "prefect.flow-run.*"},
+                             posture="Reactive", threshold=1, within=timedelta(0)),
+        actions=[SendNotification(block_document_id=target._block_document_id,
+                                  subject="eaglet run {{ event.resource.name }} failed",
+                                  body="{{ event.payload.text }}")])
+    try:
+        automation.id = Automation.read(name=AUTOMATION).id
+        automation.update()
+    except ValueError:  # none by that name yet
+        automation.create()
+    print(f"automation {AUTOMATION!r} -> {block}")
+    return {"automation": str(automation.id)}

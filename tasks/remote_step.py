@@ -9,11 +9,14 @@ The config travels as `<run_dir>/<step>.config.json`; the step runs as
 (which ends it, and whatever it started, when the controller's session ends). Its exit code decides:
 0 -> the manifest in `config["out_dir"]` is returned; 65 -> BadInputError (never retried); anything
 else -> RemoteFault (retried). Inside a Prefect task use `run_step_in_task`, which sends the remote
-lines to the run log and the progress events to a progress artifact as they arrive.
+lines to the run log as they arrive (an engine's warnings, tracebacks and progress bars at debug level,
+counted in one line at the end), the progress events to a progress artifact, and one progress line
+(done/total, loss and accuracy while training, tokens/s, ETA) to the log every PROGRESS_LOG_EVERY_S.
 """
 from __future__ import annotations
 
 import json
+import logging
 import posixpath
 import queue
 import re
@@ -28,6 +31,12 @@ from tasks.ship import ShippedCode
 
 _STEP_NAME = re.compile(r"[a-z_][a-z0-9_]*\Z")
 PROGRESS_EVERY_S = 1.0  # at most one progress artifact update a second: the API is not a log
+PROGRESS_LOG_EVERY_S = 30.0  # a progress line in the run log this often while a long step runs
+# Engine output a successful run need not show: vLLM's WARNING lines (a worker's carry a "(Name pid=N) "
+# prefix), tqdm bars (carriage returns, "NN%|"), and the lines of a traceback it printed and survived.
+_VLLM_WARNING = re.compile(r"^(\([\w.-]+ pid=\d+\)\s+)?WARNING \d\d-\d\d ")
+_TQDM = re.compile(r"\r|\d+%\|")
+_TRACEBACK = re.compile(r"^(\([\w.-]+ pid=\d+\)\s+)?Traceback \(most recent call last\):")
 
 
 def config_path(run_dir: str, step: str) -> str:
@@ -116,7 +125,8 @@ def _describe_exit(code: int) -> str:
 def run_step_in_task(host: Host, code: ShippedCode, step: str, config: dict, *, run_dir: str, timeout: float,
                      progress_title: str) -> dict:
     """run_remote_step from a Prefect task body: remote lines into the run log as they come, progress
-    events into a progress artifact; the manifest comes back with the other events under 'events'.
+    events into a progress artifact and a progress line every PROGRESS_LOG_EVERY_S; the manifest
+    comes back with the other events under 'events'.
 
     The host's reader threads have no Prefect context, so they only fill a queue; this thread (the
     task's) drains it while a worker thread waits for the command.
@@ -137,39 +147,112 @@ def run_step_in_task(host: Host, code: ShippedCode, step: str, config: dict, *, 
         finally:
             inbox.put(("done", None))
 
-    progress = _Progress(f"{progress_title} ({step} on {host.name})")
+    title = f"{progress_title} ({step} on {host.name})"
+    progress, noise = _Progress(title, artifact_key(step, host.name), logger), EngineNoise()
     events: list[dict] = []
     worker = threading.Thread(target=work, name=f"eaglet-step-{step}", daemon=True)
     worker.start()
     while (item := inbox.get())[0] != "done":
         kind, payload = item
         if kind == "log":
-            logger.info(payload)
+            logger.log(logging.DEBUG if noise.is_noise(payload.split("] ", 1)[-1]) else logging.INFO, payload)
         elif payload.get("event") == "progress":
             progress.update(payload)
         else:
+            progress.note(payload)
             events.append(payload)
     worker.join()
+    if noise.count:
+        logger.info("%s: %d engine lines (warnings, tracebacks it survived, progress bars) at debug level",
+                    title, noise.count)
     if "error" in outcome:
         raise outcome["error"]
     progress.finish()
     return {**outcome["manifest"], "events": events}
 
 
-class _Progress:
-    """One Prefect progress artifact fed by `progress` events ({"done": n, "total": m})."""
+def artifact_key(step: str, host_name: str) -> str:
+    """A progress artifact's key: Prefect keys are lowercase letters, digits and dashes."""
+    return re.sub(r"[^a-z0-9]+", "-", f"progress-{step}-{host_name}".lower()).strip("-")
 
-    def __init__(self, title: str):
+
+class EngineNoise:
+    """Tells the lines of an engine's noise (see _VLLM_WARNING) from the step's own; counts them."""
+
+    def __init__(self):
+        self.count, self._in_traceback = 0, False
+
+    def is_noise(self, line: str) -> bool:
+        if _TRACEBACK.match(line):
+            self._in_traceback = True
+        elif self._in_traceback and not line[:1].isspace():
+            self._in_traceback = False
+            noisy = bool(re.match(r"^[\w.]+(Error|Exception|Warning)\b", line))  # the traceback's last line
+            self.count += noisy
+            return noisy or self.is_noise(line)
+        noisy = self._in_traceback or bool(_VLLM_WARNING.match(line) or _TQDM.search(line))
+        self.count += noisy
+        return noisy
+
+
+def progress_line(title: str, event: dict, train: dict, eta_s: float | None) -> str:
+    """One readable line of a step's progress: done/total, the training figures when there are, ETA."""
+    done, total = event.get("done", 0), event.get("total") or 0
+    what = event.get("what") or event.get("unit") or ("samples" if "samples" in event else "")
+    parts = [f"{title}: {done:g}/{total:g} {what}".rstrip() + (f" ({100 * done / total:.0f}%)" if total else "")]
+    loss = train.get("loss", event.get("loss"))
+    if loss is not None:
+        parts.append(f"loss {loss:.4f}")
+    if train.get("acc"):
+        parts.append("accuracy " + "/".join(f"{a:.2f}" for a in train["acc"]))
+    tps = train.get("tokens_per_s", event.get("tokens_per_s"))
+    if tps:
+        parts.append(f"{tps:,.0f} tokens/s")
+    if eta_s is not None:
+        parts.append(f"ETA {_duration(eta_s)}")
+    return ", ".join(parts)
+
+
+def _duration(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+class _Progress:
+    """A step's progress: one keyed Prefect progress artifact fed by `progress` events ({"done": n,
+    "total": m}), and a line in the run log every PROGRESS_LOG_EVERY_S (with the latest `train` event)."""
+
+    def __init__(self, title: str, key: str, logger):
         from prefect.artifacts import create_progress_artifact
 
-        self.artifact_id = create_progress_artifact(0.0, description=title)
+        self.artifact_id = create_progress_artifact(0.0, key=key, description=title)
+        self.title, self.logger, self.train = title, logger, {}
         self.sent, self.latest, self.sent_at = 0.0, 0.0, time.monotonic()
+        self.logged_at, self.first = time.monotonic(), None  # first: (time, done) of the first event, the ETA's rate
+
+    def note(self, event: dict) -> None:
+        if event.get("event") == "train":
+            self.train = event
 
     def update(self, event: dict) -> None:
         total = float(event.get("total") or 0)
         self.latest = max(0.0, min(100.0, 100.0 * float(event.get("done", 0)) / total)) if total > 0 else 0.0
-        if time.monotonic() - self.sent_at >= PROGRESS_EVERY_S or self.latest >= 100.0:
+        now = time.monotonic()
+        if now - self.sent_at >= PROGRESS_EVERY_S or self.latest >= 100.0:
             self._send(self.latest)
+        if self.first is None:
+            self.first = (now, float(event.get("done", 0)))
+        if now - self.logged_at >= PROGRESS_LOG_EVERY_S:
+            self.logger.info(progress_line(self.title, event, self.train, self._eta(now, event)))
+            self.logged_at = now
+
+    def _eta(self, now: float, event: dict) -> float | None:
+        t0, done0 = self.first
+        done, total = float(event.get("done", 0)), float(event.get("total") or 0)
+        if total <= 0 or done <= done0 or now <= t0:
+            return None
+        return (total - done) * (now - t0) / (done - done0)
 
     def finish(self) -> None:
         if self.sent < 100.0:

@@ -9,7 +9,7 @@ directly), run it through the host (tasks.context.RunContext.run_step: log lines
 manifest), turn what came back into artifacts. Training runs `remote.train.train`, which itself starts
 torchrun when `nproc_per_node` > 1, so the task is the same for one GPU and eight (and, given a `node`,
 for each host of a run over several; the flow maps it over them). Its loss curve
-(in the train manifest) becomes an inline-SVG markdown artifact (no plotting library).
+(in the train manifest) becomes a markdown artifact with a matplotlib plot (tasks.evaluate.loss_chart).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from remote.config import TargetOptions, pick
 from remote.train.config import ExportConfig, TrainConfig, TrainOptions, VocabConfig, VocabOptions
 from tasks.capture import CapturedStates
 from tasks.context import RunContext, step_task
-from tasks.evaluate import markdown_image, svg_line
+from tasks.evaluate import LOSS_CAPTION, loss_chart
 from tasks.multihost import NodeLaunch
 from tasks.prepare import PreparedData
 
@@ -76,7 +76,7 @@ def loss_curve_markdown(points: list[list[float]], figures: dict) -> str:
              f"{figures.get('steps', len(points))} steps, final loss {figures.get('final_loss', float('nan')):.4f}, "
              f"{figures.get('tokens_per_s', 0):.0f} tokens/s", ""]
     if len(points) >= 2:
-        lines += [markdown_image(svg_line(points, "step", "loss"), "training loss"), ""]
+        lines += [loss_chart(points, LOSS_CAPTION), ""]
     if acc:
         lines += ["| TTT step | " + " | ".join(str(i + 1) for i in range(len(acc))) + " |",
                   "|---|" + "---|" * len(acc),
@@ -110,7 +110,8 @@ def train_draft(ctx: RunContext, target: TargetOptions, captured: CapturedStates
     get_run_logger().info("trained %d steps, world size %d over %d host(s); tokens by host %s",
                           c["steps"], c["world_size"], c.get("nnodes", 1), m["figures"].get("tokens_by_node"))
     if ctx.part == 0:  # the manifest's curve, not the streamed events: those of a resumed or skipped run are partial
-        create_markdown_artifact(key="draft-training", markdown=loss_curve_markdown(m["train"]["loss_points"], m["figures"]))
+        create_markdown_artifact(key="draft-training", markdown=loss_curve_markdown(m["train"]["loss_points"], m["figures"]),
+                                 description=f"draft training: {c['steps']} steps, final loss {m['figures'].get('final_loss', 0):.4f}")
     return TrainedDraft(path=out_dir, steps=m["counts"]["steps"], figures=m["figures"])
 
 

@@ -3,7 +3,12 @@ it, on the 8-layer random Llama of tests/test_capture_vllm.py, tensor parallel o
 the engine has an engine-core process and two worker processes): SIGTERM while the engine starts
 and while it captures leaves no process behind; a start that cannot finish (corrupt weights, or one
 slower than engine_start_s) fails within a bound, with a message naming the target. One engine at a
-time: these runs are subprocesses, one after the other, and no in-process engine is made here."""
+time: these runs are subprocesses, one after the other, and no in-process engine is made here.
+
+The time bounds are a quiet machine's, multiplied by how loaded this one is (`Load`): a CPU-bound
+teardown on a 2-core machine at load 8 takes about four times as long, and a green suite must not go
+red because the CI machine is busy. What ended the step (the signal handler's exit code, the alarm's
+error) is asserted apart from the time, and the time is printed."""
 from __future__ import annotations
 
 import os
@@ -82,6 +87,22 @@ class Step:
         self._watch.join(5)
 
 
+class Load:
+    """The machine's load over a measurement: runnable processes per core, at least 1 (a quiet machine)."""
+
+    def __init__(self):
+        self.factor = self._now()
+
+    @staticmethod
+    def _now() -> float:
+        return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+
+    def bound(self, quiet_s: float) -> float:
+        """quiet_s scaled by the highest load seen since the start (the 1-minute average lags)."""
+        self.factor = max(self.factor, self._now())
+        return quiet_s * self.factor
+
+
 def _sid(pid: int) -> int:
     try:
         return os.getsid(pid)
@@ -107,15 +128,15 @@ def test_sigterm_ends_the_engine_and_its_workers(tmp_path, base, when):
                           and "vLLM engine up" not in step.log)
         else:
             step.wait_for(lambda: "hooked ." in step.log)
-        sent = time.monotonic()
+        sent, load = time.monotonic(), Load()
         step.proc.send_signal(signal.SIGTERM)
-        code = step.proc.wait(60)
+        code = step.proc.wait(300)
         took = time.monotonic() - sent
-        assert code == 128 + signal.SIGTERM, step.log[-3000:]
+        assert code == 128 + signal.SIGTERM, step.log[-3000:]  # the step's handler ended it, not a kill
         assert "capture done" not in step.log  # really interrupted
         assert len(step.engine_processes()) >= 3, step.seen  # engine core and two workers were there
-        assert took < 30, f"SIGTERM took {took:.1f} s to end the step"
-        print(f"SIGTERM while {when}: the step ended after {took:.1f} s")
+        assert took < load.bound(30), f"SIGTERM took {took:.1f} s to end the step (load x{load.factor:.1f})"
+        print(f"SIGTERM while {when}: the step ended after {took:.1f} s (load x{load.factor:.1f})")
         assert_nothing_left(step)
         assert not (tmp_path / f"term-{when}").exists()  # nothing that looks finished
     finally:
@@ -133,12 +154,12 @@ def test_corrupt_weights_fail_the_start_soon_naming_the_target(tmp_path, base, l
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # cut in half, as a broken copy
     step = Step(tmp_path, "corrupt", {**base, "target": str(bad), "cache_root": str(tmp_path / "cache")})
     try:
-        started = time.monotonic()
-        code = step.proc.wait(180)
+        started, load = time.monotonic(), Load()
+        code = step.proc.wait(600)
         assert code not in (0, 65), step.log[-3000:]  # a fault: a later try may find the file mended
         assert f"vLLM could not start target {bad} (TP=2" in step.log, step.log[-3000:]
         took = time.monotonic() - started
-        assert took < 120
+        assert took < load.bound(120), f"failed after {took:.1f} s (load x{load.factor:.1f})"
         print(f"corrupt weights: the step failed after {took:.1f} s")
         assert_nothing_left(step)
     finally:
@@ -151,13 +172,14 @@ def test_a_start_slower_than_engine_start_s_is_ended(tmp_path, base):
     step = Step(tmp_path, "slow-start", {**base, "engine_start_s": 4, "cache_root": str(tmp_path / "cache")})
     try:
         step.wait_for(lambda: "devices:" in step.log, timeout=120)  # the engine start begins
-        started = time.monotonic()
-        code = step.proc.wait(120)
+        started, load = time.monotonic(), Load()
+        code = step.proc.wait(300)
         took = time.monotonic() - started
         assert code not in (0, 65), step.log[-3000:]
+        # the alarm ended it: without engine_start_s vLLM would wait for its engine far longer
         assert "engine_start_s=4): EngineStartTimedOut: not up within engine_start_s" in step.log, step.log[-3000:]
-        assert took < 4 + 15, f"ended {took:.1f} s after the start began"
-        print(f"engine_start_s=4: the step ended {took:.1f} s after the start began")
+        assert took < 4 + load.bound(15), f"ended {took:.1f} s after the start began (load x{load.factor:.1f})"
+        print(f"engine_start_s=4: the step ended {took:.1f} s after the start began (load x{load.factor:.1f})")
         assert_nothing_left(step)
     finally:
         step.end()

@@ -239,15 +239,17 @@ def test_report_and_table_artifacts_hold_the_figures(evaluated):
 
     md = asyncio.run(latest("draft-evaluation")).data
     f = evaluated.manifest["figures"]
-    assert f"**{f['acceptance_length']:.2f}**" in md and f"**{f['speedup']:.2f}x**" in md
+    assert f"**{f['acceptance_length']:.2f}**" in md and f"| speed-up (decode) | {f['speedup']:.2f}x |" in md
     assert "f" * 64 in md and str(evaluated.evaluation["provenance"]["draft_dir"]) in md
     assert "random-draft" in md and "1.05 when it was promoted" in md  # the published draft, recorded and now
     import base64
     import re
 
-    plots = [base64.b64decode(x).decode() for x in re.findall(r"\(data:image/svg\+xml;base64,([A-Za-z0-9+/=]+)\)", md)]
-    assert len(plots) == 2 and "<polyline" in plots[0]  # the loss curve, then the per-position bars:
-    assert plots[1].count("<rect") >= K * len(evaluated.evaluation["online"]["order"])
+    from tasks.evaluate import LOSS_CAPTION, POSITION_CAPTION
+
+    plots = [base64.b64decode(x) for x in re.findall(r"\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", md)]
+    assert len(plots) == 2 and all(p.startswith(b"\x89PNG") for p in plots)  # the loss curve, the per-position bars
+    assert md.index(LOSS_CAPTION) < md.index(POSITION_CAPTION)  # each with its caption
     table = asyncio.run(latest("acceptance-per-position")).data
     rows = json.loads(table) if isinstance(table, str) else table
     assert [r["position"] for r in rows] == list(range(1, K + 1))

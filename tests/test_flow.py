@@ -57,3 +57,34 @@ def test_train_draft_flow_over_ssh(prefect_harness, sshd, tiny_llama, tmp_path):
     again = train_draft(**kwargs, return_state=True)
     assert again.is_completed(), again.message
     assert again.result().draft_dir == result.draft_dir
+
+
+def test_bad_paths_fail_the_run_at_once_with_one_message_naming_them(prefect_harness, tmp_path):
+    """Checked on the host before the host's slot, the embedded default or any step: nothing else runs."""
+    import re
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, LogFilter
+
+    from flows.params import DataParams, TargetParams
+    from tasks.host import HostParams
+
+    root = tmp_path / "root"
+    state = train_draft(host=HostParams(root=str(root)), target=TargetParams(model=str(tmp_path / "no-model")),
+                        data=DataParams(inputs=[str(tmp_path / "no-chats")]), return_state=True)
+    assert state.is_failed()
+    assert state.message == (f"bad input: target.model: {tmp_path / 'no-model'} does not exist on local; set it to a "
+                             "Hugging Face model folder on the host (config.json, weights, tokenizer), or leave it "
+                             f"empty for the embedded SmolLM2-135M-Instruct; data.inputs[0]: {tmp_path / 'no-chats'} "
+                             "does not exist on local; name chat files or folders on the host (JSONL, JSON, Parquet), "
+                             "or leave data.inputs empty for the embedded ShareGPT sample")
+    assert not (root / "runs").exists() and not (root / "cache").exists()
+    run_id = state.state_details.flow_run_id
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_run(run_id)
+        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [run_id]}))
+        logs = [entry.message for entry in client.read_logs(LogFilter(flow_run_id={"any_": [run_id]}))]
+    assert [t.name.rsplit("-", 1)[0] for t in tasks] == ["check-inputs"]
+    assert re.fullmatch(r"\d{8}-\d{6} · local · no-model", run.name), run.name  # folder, host, target
+    assert {"host:local", "target:no-model"} <= set(run.tags)
+    assert not [m for m in logs if "Traceback" in m]

@@ -189,16 +189,25 @@ def test_host_slot_queues_runs_on_one_host_and_is_reentrant(prefect_api):
     import time as _time
 
     from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter
+    from prefect.runtime import flow_run
 
+    from flows.params import TargetParams
+    from flows.run_names import tag_run
     from tasks.host_slot import host_slot, slot_name
     from tasks.host import HostParams
 
     host = HostParams(kind="ssh", hostname="10.200.9.9", name="slot-test")
     held: dict[str, tuple[float, float, float]] = {}
+    names: dict[str, str] = {}
     both_started = threading.Barrier(2, timeout=60)  # both runs ask for the host at the same moment
+    waiting_states = []
 
     @flow(name="slot-holder")
     def hold(tag: str, seconds: float) -> None:
+        names[tag] = flow_run.name
+        tag_run(host, TargetParams())  # host:slot-test: how a waiting run finds who holds the host
         both_started.wait()
         with host_slot(host) as waited:
             start = _time.monotonic()
@@ -207,21 +216,37 @@ def test_host_slot_queues_runs_on_one_host_and_is_reentrant(prefect_api):
             _time.sleep(seconds)
             held[tag] = (waited, start, _time.monotonic())
 
+    def watch_states() -> None:  # what the UI shows of the run that waits
+        deadline = _time.monotonic() + 30
+        with get_client(sync_client=True) as client:
+            while len(held) < 2 and _time.monotonic() < deadline:
+                for run in client.read_flow_runs(flow_run_filter=FlowRunFilter(name={"any_": list(names.values())})):
+                    if run.state and run.state.name == "Waiting for host":
+                        waiting_states.append((run.name, run.state.message))
+                _time.sleep(0.3)
+
     # each thread runs in a copy of this context, so its flow talks to the same server
     runs = [threading.Thread(target=contextvars.copy_context().run, args=(hold, tag, 3.0)) for tag in ("a", "b")]
-    for t in runs:
+    watcher = threading.Thread(target=contextvars.copy_context().run, args=(watch_states,))
+    for t in [*runs, watcher]:
         t.start()
-    for t in runs:
+    for t in [*runs, watcher]:
         t.join()
     early, late = sorted(held.values(), key=lambda h: h[1])
     assert late[1] >= early[2] - 0.2, f"the two runs held the host at once: {held}"
     assert late[0] > 2.0, f"the later run waited only {late[0]:.1f} s for a 3 s holder"
-
-    from prefect.client.orchestration import get_client
+    first, second = sorted(held, key=lambda t: held[t][1])
+    assert waiting_states, "the waiting run never showed 'Waiting for host'"
+    run_name, message = waiting_states[0]
+    assert run_name == names[second]
+    assert message == f"waiting for gpu-host:slot-test, held by '{names[first]}'"
 
     with get_client(sync_client=True) as client:
         limit = client.read_global_concurrency_limit_by_name(slot_name(host))
+        states = {r.name: r.state.name for r in client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(name={"any_": list(names.values())}))}
     assert (limit.name, limit.limit, limit.active_slots) == ("gpu-host:slot-test", 1, 0)
+    assert set(states.values()) == {"Completed"}
 
 
 class Webhook:
@@ -258,8 +283,36 @@ def webhook():
     hook.close()
 
 
+@pytest.fixture
+def failure_automation(prefect_api, webhook):
+    """prefect.yaml's notification set-up against this server: a webhook block (the URL lives there) and the
+    automation the deploy step declares, sending each eaglet.run.failed event to it."""
+    from prefect.automations import Automation
+    from prefect.blocks.notifications import CustomWebhookNotificationBlock
+
+    from tasks.notify import AUTOMATION, declare_failure_automation
+
+    CustomWebhookNotificationBlock(name="eaglet", url=webhook.url,
+                                   json_data={"subject": "{{subject}}", "text": "{{body}}"}).save("eaglet-failures",
+                                                                                                 overwrite=True)
+    assert declare_failure_automation("custom-webhook/eaglet-failures")["automation"]
+    assert declare_failure_automation("custom-webhook/eaglet-failures")["automation"]  # a redeploy updates it
+    yield webhook
+    Automation.read(name=AUTOMATION).delete()
+
+
+def wait_for_posts(webhook, n: int = 1, timeout: float = 90) -> list[dict]:
+    import time as _time
+
+    deadline = _time.monotonic() + timeout
+    while len(webhook.received) < n and _time.monotonic() < deadline:
+        _time.sleep(0.5)
+    assert len(webhook.received) >= n, f"the automation posted {len(webhook.received)} of {n} in {timeout} s"
+    return webhook.received
+
+
 @pytest.mark.prefect_server
-def test_failure_hook_names_the_step_and_posts_the_log_tail(prefect_api, webhook):
+def test_a_failed_run_is_posted_by_the_automation_with_the_step_and_log_tail(failure_automation):
     from prefect import flow, get_run_logger, task
 
     from tasks.errors import RemoteFault
@@ -272,15 +325,16 @@ def test_failure_hook_names_the_step_and_posts_the_log_tail(prefect_api, webhook
         raise RemoteFault("step capture on gpu-1 failed (exit 1) after 2.0 s; stderr ends:\nCUDA out of memory")
 
     @flow(name="failing-run", on_failure=[notify_failure])
-    def failing_run(notify: str = "") -> None:
+    def failing_run() -> None:
         failing_step()
 
-    state = failing_run(notify=webhook.url, return_state=True)
+    state = failing_run(return_state=True)
     assert state.is_failed()
-    (post,) = webhook.received
-    assert post["failed_step"].startswith("capture-hidden-states")
-    assert "CUDA out of memory" in post["step_message"] and "CUDA out of memory" in post["text"]
-    assert post["log_tail"][-1] == "[gpu-1] capture line 29" and len(post["log_tail"]) == 20
+    (post,) = wait_for_posts(failure_automation)
+    assert post["subject"].startswith("eaglet run ") and post["subject"].endswith(" failed")
+    text = post["text"]
+    assert "**Failed step:** `capture-hidden-states" in text and "CUDA out of memory" in text
+    assert "[gpu-1] capture line 29" in text and "[gpu-1] capture line 9" not in text  # the last 20 lines
 
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter
@@ -288,7 +342,7 @@ def test_failure_hook_names_the_step_and_posts_the_log_tail(prefect_api, webhook
     with get_client(sync_client=True) as client:
         (report,) = client.read_artifacts(artifact_filter=ArtifactFilter(
             flow_run_id={"any_": [state.state_details.flow_run_id]}, key={"any_": ["failure-report"]}))
-    assert "capture-hidden-states" in report.data and "capture line 29" in report.data
+    assert "capture-hidden-states" in report.data and "capture line 29" in report.data and report.description
 
 
 # ----------------------------------------------------------------------------- the nightly flow, end to end
@@ -410,25 +464,47 @@ def test_worse_draft_is_not_promoted(nights):
 
 @pytest.mark.slow
 @pytest.mark.prefect_server
-def test_failed_night_leaves_current_and_memory_as_they_were(nights, webhook):
+def test_failed_night_leaves_current_and_memory_as_they_were(nights, prefect_api):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter
+
     before = nights.current()
     state = json.loads((nights.root / "nightly" / "default" / "state.json").read_text())
     nights.add_data("d4", 8, start=56)
-    proc, _ = nights.start(f"target.model={nights.tmp / 'no-such-model'}", f"notify={webhook.url}")
-    assert proc.wait(300) != 0
+    proc, _ = nights.start(f"target.model={nights.tmp / 'no-such-model'}")
+    assert proc.wait(300) == EXIT_BAD_INPUT
     assert nights.current() == before
     assert json.loads((nights.root / "nightly" / "default" / "state.json").read_text()) == state
-    (post,) = webhook.received
-    assert post["state"] == "Failed" and post["failed_step"] and "no-such-model" in post["text"]
+    log = (nights.tmp / f"night-{nights.count}.log").read_text()
+    assert "Traceback" not in log and "find-new-data" not in log, "refused before any step ran"
+    with get_client(sync_client=True) as client:
+        (run,) = client.read_flow_runs(flow_run_filter=FlowRunFilter(name={"like_": f"night-{nights.count} · "}))
+    assert run.state.is_failed() and run.state.message.startswith(f"bad input: target.model: {nights.tmp / 'no-such-model'}")
+
+
+@pytest.mark.slow
+@pytest.mark.prefect_server
+def test_the_nightly_trend_table_has_a_row_per_good_night(nights, prefect_api):
+    from prefect.artifacts import Artifact
+
+    trend = Artifact.get("nightly-trend-default")
+    assert trend is not None and trend.type == "table" and trend.description
+    rows = json.loads(trend.data) if isinstance(trend.data, str) else trend.data
+    state = json.loads((nights.root / "nightly" / "default" / "state.json").read_text())
+    assert [r["night"] for r in rows] == [n["run"] for n in state["nights"]]
+    assert [r["promoted"] for r in rows][:2] == ["yes", "yes"] and rows[-1]["promoted"] == "no"
+    assert rows[-1]["conversations trained on"] == sum(n["new"] for n in state["nights"])
+    assert all(isinstance(r["acceptance length"], float) for r in rows)
 
 
 def test_a_nightly_preset_with_extra_hosts_is_refused_before_anything_runs(prefect_harness, tmp_path):
     """The training flow takes several hosts; the nightly's new-data files live on one, so it says so."""
     from flows.nightly import nightly_retrain
-    from tasks.errors import BadInputError
     from tasks.host import HostParams
 
     other = HostParams(kind="ssh", name="gpu-b", hostname="gpu-b.invalid", root=str(tmp_path / "b"))
-    with pytest.raises(BadInputError, match="runs on one host; extra_hosts .* 1 extra"):
-        nightly_retrain(host=HostParams(kind="local", root=str(tmp_path / "a")), extra_hosts=[other])
+    state = nightly_retrain(host=HostParams(kind="local", root=str(tmp_path / "a")), extra_hosts=[other],
+                            return_state=True)
+    assert state.is_failed() and state.message.startswith("bad input: extra_hosts: the nightly retrain runs on one "
+                                                          "host (got 1 extra)")
     assert not (tmp_path / "a").exists()  # refused before the host was touched

@@ -212,10 +212,9 @@ def test_task_configs_and_loss_artifact():
     assert (t.nproc_per_node, t.token_budget, t.epochs, t.target, t.optimizer) == (8, 4096, 1.5, "/m", "adamw")
     assert (t.eval_every, t.patience) == (10, 3)
     md = loss_curve_markdown([[1, 3.0], [2, 2.5], [3, 2.0]], {"steps": 3, "final_loss": 2.0, "final_acc": [0.5, 0.25]})
-    image = re.search(r"!\[training loss\]\(data:image/svg\+xml;base64,([A-Za-z0-9+/=]+)\)", md)
+    image = re.search(r"!\[training loss per step\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", md)
     assert image, md
-    svg = base64.b64decode(image.group(1)).decode()
-    assert "<svg" in svg and "<polyline" in svg and "<svg" not in md.replace(image.group(0), "")
+    assert base64.b64decode(image.group(1)).startswith(b"\x89PNG") and "<svg" not in md  # matplotlib, not SVG
     assert "| top-1 agreement | 0.500 | 0.250 |" in md
 
 

@@ -1,9 +1,11 @@
-"""The Prefect UI shows a finished run of the demo deployment: its steps completed and its report.
+"""The Prefect UI as a user meets it: the deployments, a finished run of the tiny deployment (its
+steps, its artifacts with the run summary first, the report with its plots) and the nightly trend.
 
 Debian's headless Chromium (`apt-get install -y chromium`) is driven over the DevTools protocol
-(the `websockets` client Prefect already depends on): open the flow run's page, wait until the run's
-name and state are on it, take a screenshot; the same for the run's task list and its report
-artifact. The PNGs are kept under out/test-artifacts/ (EAGLET_TEST_ARTIFACTS to move them).
+(the `websockets` client Prefect already depends on): open a page, wait until what it must show is
+on it, take a screenshot. The PNGs are kept under out/test-artifacts/ (EAGLET_TEST_ARTIFACTS to move
+them): deployments.png, flow-run.png, flow-run-steps.png, flow-run-artifacts.png, run-summary.png,
+flow-run-report.png, flow-run-report-plots.png, nightly-trend.png.
 
     .venv/bin/python -m pytest tests/test_ui_screenshot.py -x -q
 """
@@ -106,6 +108,18 @@ class Chromium:
         path.write_bytes(base64.b64decode(self.call("Page.captureScreenshot", format="png")["data"]))
         return path
 
+    def scroll_to_plot(self, index: int) -> None:
+        """Bring the index-th plot of the page to the top of its scrolling pane (one below the fold)."""
+        self.call("Runtime.evaluate", expression=f"{self.PLOTS}[{index}].scrollIntoView()")
+        time.sleep(0.5)
+
+    PLOTS = "[...document.images].filter(i => i.src.startsWith('data:image/png'))"  # the report's plots
+
+    def images_loaded(self) -> int:
+        """How many of the report's plots have been drawn (one that failed to decode has no width)."""
+        js = f"{self.PLOTS}.filter(i => i.complete && i.naturalWidth > 0).length"
+        return self.call("Runtime.evaluate", expression=js, returnByValue=True)["result"]["value"]
+
     def close(self) -> None:
         self.ws.close()
         stop_group(self.proc)
@@ -122,14 +136,31 @@ def chromium(tmp_path):
         browser.close()
 
 
-def test_flow_run_page_shows_completed_steps_and_report(manual_run, prefect_api, chromium):
+def _artifacts(flow_run_id) -> list:
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, FlowRunFilter
+    from prefect.client.schemas.filters import ArtifactFilter
 
     with get_client(sync_client=True) as client:
-        run = client.read_flow_run(manual_run.flow_run_id)
+        return client.read_artifacts(artifact_filter=ArtifactFilter(  # "result": Prefect's own, not listed
+            flow_run_id={"any_": [flow_run_id]}, type={"not_any_": ["result"]}))
+
+
+def test_the_deployments_page_lists_one_deployment_per_preset(deployed, prefect_api, chromium):
+    from tests.fixtures.prefect_server import PRESET_DEPLOYMENTS
+
+    chromium.open(f"{prefect_api.ui_url}/deployments",
+                  expect=[name.split("/")[1] for name in PRESET_DEPLOYMENTS] + ["nightly", "train-draft-nightly"])
+    assert chromium.screenshot(ARTIFACTS / "deployments.png").stat().st_size > 20_000
+
+
+def test_flow_run_page_shows_completed_steps_the_summary_first_and_the_report(tiny_run, prefect_api, chromium):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter
+
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_run(tiny_run.flow_run_id)
         tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [run.id]}))
-        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id={"any_": [run.id]}))
+    artifacts = _artifacts(run.id)
     assert run.state.is_completed(), run.state.message
     ui = prefect_api.ui_url
 
@@ -143,9 +174,34 @@ def test_flow_run_page_shows_completed_steps_and_report(manual_run, prefect_api,
     chromium.wait_for([t.name for t in tasks] + [f"({len(tasks)} Completed)"])
     chromium.screenshot(ARTIFACTS / "flow-run-steps.png")
 
-    from tasks.evaluate import REPORT_KEY
+    from tasks.evaluate import REPORT_KEY, SUMMARY_KEY
+
+    chromium.click("Artifacts")
+    text = chromium.wait_for([a.key for a in artifacts])
+    assert text.index(SUMMARY_KEY) < min(text.index(a.key) for a in artifacts if a.key != SUMMARY_KEY), \
+        "the run summary is the first artifact the run's page lists"
+    chromium.screenshot(ARTIFACTS / "flow-run-artifacts.png")
+
+    summary = next(a for a in artifacts if a.key == SUMMARY_KEY)
+    chromium.open(f"{ui}/artifacts/artifact/{summary.id}", expect=["What the figures mean", "acceptance length"])
+    chromium.screenshot(ARTIFACTS / "run-summary.png")
 
     report = next(a for a in artifacts if a.key == REPORT_KEY)
     first_line = next(line.lstrip("# ").strip() for line in str(report.data).splitlines() if line.strip())
-    chromium.open(f"{ui}/artifacts/artifact/{report.id}", expect=[first_line[:30]])
+    chromium.open(f"{ui}/artifacts/artifact/{report.id}", expect=[first_line[:30], "Training loss"])
+    assert chromium.images_loaded() == 2, "the loss curve and the per-position plot are drawn"
     chromium.screenshot(ARTIFACTS / "flow-run-report.png")
+    chromium.scroll_to_plot(1)  # the acceptance per position, below the fold
+    chromium.screenshot(ARTIFACTS / "flow-run-report-plots.png")
+
+
+def test_the_nightly_trend_is_a_table_in_the_ui(nightly_run, prefect_api, chromium):
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_run(nightly_run.flow_run_id)
+    assert run.state.is_completed(), f"{run.state.name}: {run.state.message}\n{nightly_run.output[-3000:]}"
+    (trend,) = [a for a in _artifacts(run.id) if a.key == "nightly-trend-default"]
+    chromium.open(f"{prefect_api.ui_url}/artifacts/artifact/{trend.id}",
+                  expect=[run.parameters["run_name"], "acceptance length", "promoted"])
+    chromium.screenshot(ARTIFACTS / "nightly-trend.png")
