@@ -11,6 +11,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from remote.data.regenerate import RegenerateOptions
 from tasks.hosts import HostParams
 from tasks.multihost import DEFAULT_RDZV_PORT
 
@@ -33,6 +34,7 @@ class DataParams(_Params):
     heldout_permille: int = Field(50, ge=0, le=1000, description="share of samples held out for evaluation, per mille, decided by each sample's hash")
     max_bad_fraction: float = Field(0.5, ge=0, le=1, description="fail when more than this share of rows is malformed")
     max_samples: Optional[int] = Field(None, ge=1, description="use at most this many samples (none: all)")
+    regenerate: RegenerateOptions = Field(default_factory=RegenerateOptions, description="have the target answer the prompts itself before prepare (remote/data/regenerate.py): off by default, or the sampling settings")
 
 
 class CaptureParams(_Params):
