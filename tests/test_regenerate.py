@@ -118,12 +118,24 @@ def test_thinking_is_kept_dropped_or_disabled_and_masked_so(chain_model, tmp_pat
                  "out_dir": str(tmp_path / "prepare")})
     tok = Writer(load_config(RegenerateConfig, regen_config(tmp_path, chain_model, [chats]))).tok
     got = masked_tokens(tmp_path / "prepare")
-    assert [tok.decode(ids) for ids in got] == [answer.replace(" ", "", 0) + "<|im_end|>"] * 2
+    assert [tok.decode(ids) for ids in got] == [answer + "<|im_end|>"] * 2
     if masked is not None:
         assert [tok.convert_ids_to_tokens(ids) for ids in got] == [masked, masked]
 
 
-def test_multi_turn_answers_follow_the_targets_own_earlier_answers(chain_model, tmp_path):
+def test_prepare_keeps_the_split_a_record_names_and_skips_an_unknown_one(chain_model, tmp_path):
+    rec = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    recs = [{**rec, "split": "heldout"}, {**rec, "messages": rec["messages"][:1] + [{"role": "assistant", "content": "yo"}],
+                                          "split": "test"}]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    m = prepare.run({"inputs": [str(tmp_path / "c.jsonl")], "tokenizer": str(chain_model),
+                     "out_dir": str(tmp_path / "prepare"), "heldout_permille": 0})
+    assert m["counts"]["dropped_by_reason"] == {"unknown_split": 1}
+    assert [r["split"] for r in pq.read_table(tmp_path / "prepare" / "data.parquet").to_pylist()] == ["heldout"]
+
+
+def test_every_user_turn_is_answered_in_order(chain_model, tmp_path):
+    """(That each turn's prompt holds the target's own earlier answers: the vLLM test below.)"""
     chats = write_chats(tmp_path / "chats.jsonl", [QUESTIONS[0]])
     m, [rec] = regen_chain(tmp_path, chain_model, chats, thinking="drop")
     assert [(t["role"], t["content"]) for t in rec["messages"]] == [
