@@ -144,6 +144,15 @@ def test_every_user_turn_is_answered_in_order(chain_model, tmp_path):
     assert m["counts"]["answers"] == 3 and m["counts"]["requests"] == 3
 
 
+def test_only_the_last_turn_is_answered_when_asked(chain_model, tmp_path):
+    chats = write_chats(tmp_path / "chats.jsonl", [QUESTIONS[0]])
+    m, [rec] = regen_chain(tmp_path, chain_model, chats, thinking="drop", turns="last")
+    assert [t["content"] for t in rec["messages"]] == [
+        "What is the capital of France?", "Paris.", "And of Italy?", "Rome.", "Which of the two is older?",
+        "zebras wizards"]
+    assert m["counts"]["requests"] == 1
+
+
 def test_answers_cut_at_max_tokens_are_kept_when_asked(chain_model, tmp_path):
     chats = write_chats(tmp_path / "chats.jsonl", [QUESTIONS[3], QUESTIONS[4]])
     m, records = regen_chain(tmp_path, chain_model, chats, max_tokens=3, keep_cut=True)

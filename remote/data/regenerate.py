@@ -5,7 +5,7 @@
     #  "cache_root": "<root>/cache", "tensor_parallel_size": 8, "temperature": 0.6, "top_p": 0.95}
 
 Where it sits: before `prepare`. It reads the same conversations prepare would read
-(remote.data.chat_data: the same formats, the same sample hashes, duplicates once), keeps their
+(remote.data.chat_data: the same formats and sample hashes; the same prompts answered once), keeps their
 system and user turns, and has the target answer them with its own chat template: turn by turn, each
 later user turn seeing the target's own earlier answers (`turns="last"`: the original conversation up
 to its last user turn, and only that answered). It writes `conversations.jsonl`, OpenAI `messages`
@@ -14,6 +14,7 @@ target wrote: its text and its end-of-turn token (the tests check this token for
 also names its `split`, the split prepare gives the original conversation: the held-out prompts stay
 held out, and they are answered greedily (one answer), so offline acceptance on them is what vLLM
 counts when it serves greedy requests. The flow (tasks/regenerate.py) points prepare at that file.
+With turns="last" the earlier assistant turns stay the data's own, and prepare masks them as well.
 
 Reasoning targets (`thinking`): "keep" keeps the thinking block as the target wrote it, "drop" keeps
 only what follows `</think>` (an answer whose thinking never closed is left out), "disable" renders
