@@ -169,6 +169,13 @@ def test_unusable_answers_are_left_out_by_reason(chain_model, tmp_path, over, re
     assert len(list((tmp_path / "cache").rglob("shard-*"))) == 1  # the answers are cached all the same
 
 
+def test_the_vllm_engine_gets_the_targets_context_and_no_capture_extension(chain_model, tmp_path):
+    cfg = load_config(RegenerateConfig, regen_config(tmp_path, chain_model, [tmp_path], max_model_len=0))
+    kw = make_generator(cfg, Writer(cfg)).engine_kwargs(on_cpu=True)  # built, not started
+    assert kw["max_model_len"] == 512 and "worker_extension_cls" not in kw  # config.json's max_position_embeddings
+    assert kw["enable_prefix_caching"] and not kw["skip_tokenizer_init"] and kw["enforce_eager"]
+
+
 # ----------------------------------------------------------------------------- bad input, before any engine
 @pytest.mark.parametrize("over, named", [
     ({"temperature": -0.1}, "temperature=-0.1"), ({"top_p": 0.0}, "top_p=0.0"), ({"top_p": 1.5}, "top_p=1.5"),

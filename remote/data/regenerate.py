@@ -224,7 +224,7 @@ def make_generator(cfg: RegenerateConfig, writer: Writer):
 
     target = TargetConfig.read(cfg.target)
     engine = VllmGenerator if cfg.backend == "vllm" else HfGenerator
-    return engine(cfg, target, resolve_dtype(cfg, target), writer.end_ids)
+    return engine(cfg, target, resolve_dtype(cfg, target), writer.end_ids, context_length(cfg))
 
 
 # ----------------------------------------------------------------------------- prompts and their keys

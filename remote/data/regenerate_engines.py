@@ -1,6 +1,6 @@
 """The engines of remote.data.regenerate: the target answering prompts, in vLLM or in transformers.
 
-    engine = VllmGenerator(cfg, target, dtype, end_ids)   # or HfGenerator: the same four calls
+    engine = VllmGenerator(cfg, target, dtype, end_ids, max_model_len)   # or HfGenerator: the same calls
     engine.start()
     answers = engine.generate([Request(prompt_ids, seed, greedy), ...], options)  # an Answer a request, in order
     engine.close()                                                        # nothing of the engine is left
@@ -31,8 +31,9 @@ def sampling_params(cfg: RegenerateOptions, request: Request, end_ids: Iterable[
 class VllmGenerator(VllmCapture):
     """The capture's vLLM engine without its capture extension, set up for generation."""
 
-    def __init__(self, cfg, target, dtype: str, end_ids: Iterable[int]):
-        super().__init__(cfg, target, dtype, (), cfg.max_model_len)
+    def __init__(self, cfg, target, dtype: str, end_ids: Iterable[int], max_model_len: int):
+        super().__init__(cfg, target, dtype, (), max_model_len)
+        self.max_model_len = max_model_len  # the step's context (cfg.max_model_len 0: the target's own)
         self.end_ids = list(end_ids)
 
     def engine_kwargs(self, on_cpu: bool) -> dict:
@@ -53,8 +54,8 @@ class HfGenerator(HfCapture):
     """transformers' generate on one device, batch_size prompts of similar length at a time. Batched
     sampling draws from one generator, so a sampled answer depends on its batch (greedy ones do not)."""
 
-    def __init__(self, cfg, target, dtype: str, end_ids: Iterable[int]):
-        super().__init__(cfg, target, dtype, (), 0)
+    def __init__(self, cfg, target, dtype: str, end_ids: Iterable[int], max_model_len: int):
+        super().__init__(cfg, target, dtype, (), max_model_len)
         self.end_ids = list(end_ids)
 
     def generate(self, requests: list[Request], opts: RegenerateOptions) -> list[Answer]:
