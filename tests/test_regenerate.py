@@ -153,6 +153,14 @@ def test_only_the_last_turn_is_answered_when_asked(chain_model, tmp_path):
     assert m["counts"]["requests"] == 1
 
 
+def test_a_cached_greedy_answer_serves_either_split_and_takes_this_runs(chain_model, tmp_path):
+    chats = write_chats(tmp_path / "chats.jsonl", [QUESTIONS[3], QUESTIONS[4]])
+    regen_chain(tmp_path, chain_model, chats)  # heldout_permille 0, temperature 0: every answer greedy, as held-out
+    m, records = regen_chain(tmp_path, chain_model, chats, heldout_permille=1000, out_dir=str(tmp_path / "again"))
+    assert m["counts"]["requests"] == 0 and m["counts"]["cached"] == 2
+    assert [r["split"] for r in read_jsonl(tmp_path / "again" / OUTPUT)] == ["heldout", "heldout"]
+
+
 def test_answers_cut_at_max_tokens_are_kept_when_asked(chain_model, tmp_path):
     chats = write_chats(tmp_path / "chats.jsonl", [QUESTIONS[3], QUESTIONS[4]])
     m, records = regen_chain(tmp_path, chain_model, chats, max_tokens=3, keep_cut=True)

@@ -255,7 +255,7 @@ def prompts(cfg: RegenerateConfig, report: ReadReport) -> Iterator[Prompt]:
     for conv in read_conversations(cfg.inputs, report):
         sid = conv.sample_id
         context, users = split_turns(conv, cfg.turns)
-        split = split_of(sid, cfg.heldout_permille)
+        split = conv.split or split_of(sid, cfg.heldout_permille)
         body = json.dumps([context, users, sampling_signature(cfg, split)], ensure_ascii=False, separators=(",", ":"))
         key = hashlib.sha256(body.encode()).hexdigest()
         if key in seen:  # the same conversation, or the same prompts with other answers: one set of answers
@@ -486,21 +486,23 @@ def _generate(cfg, writer, cache, max_model_len, tally, todo, engine) -> None:
 def write_conversations(cache: AnswerCache, order: list[Prompt], path: Path) -> tuple[dict, list[dict]]:
     """conversations.jsonl from the cache (one record a usable branch), the counts, a few sample answers."""
     unusable, counts, samples = Counter(), Counter(), []
+    this_run = {p.key: p for p in order}  # a cached answer may have served another conversation or split
     with open(path, "w", encoding="utf-8") as f:
-        for row in cache.rows([p.key for p in order]):
+        for row in cache.rows(list(this_run)):
+            split, source_id = this_run[row["key"]].split, this_run[row["key"]].source_id
             for b in row["branches"]:
                 if b["left_out"]:
                     unusable[b["left_out"]] += 1
                 if not b["answered"]:
                     continue
                 msgs = [{"role": r, "content": c} for r, c in b["turns"]]
-                f.write(json.dumps({"messages": msgs, "split": row["split"], "source_id": row["source_id"]},
+                f.write(json.dumps({"messages": msgs, "split": split, "source_id": source_id},
                                    ensure_ascii=False) + "\n")
                 counts["conversations"] += 1
                 counts["answers"] += b["answered"]
-                counts[row["split"]] += 1
+                counts[split] += 1
                 if len(samples) < SAMPLE_ANSWERS:
-                    samples.append({"source_id": row["source_id"], "user": b["turns"][-2][1][:300],
+                    samples.append({"source_id": source_id, "user": b["turns"][-2][1][:300],
                                     "answer": b["turns"][-1][1][:600]})
     if not counts["conversations"]:
         raise BadInput(f"the target's answers were all unusable: {dict(unusable)}; see max_tokens, keep_cut, thinking")
