@@ -30,6 +30,7 @@ from tasks.inputs import bad_input, check_inputs, exit_status
 from tasks.multihost import copy_vocab, rendezvous as plan_rendezvous, same_data
 from tasks.notify import notify_failure
 from tasks.prepare import embedded_default, prepare_data
+from tasks.regenerate import regenerate_answers
 from tasks.ship import ship_code_task
 from tasks.train import build_vocab, export_draft, train_draft as train_draft_task
 
@@ -58,7 +59,8 @@ def train_draft(
     train: TrainParams = TrainParams(),
     eval: EvalParams = EvalParams(),
 ) -> TrainDraftResult:
-    """Prepare data, ship code, patch the worker, capture, build the vocab, train, export, evaluate.
+    """Ship code, regenerate the answers (when asked), prepare data, patch the worker, capture, build the
+    vocab, train, export, evaluate.
 
     With extra_hosts every step up to training runs on every host (capture: each its share of the
     samples), training spans them all, and export and evaluation run on the first host."""
@@ -78,6 +80,7 @@ def train_draft(
         get_run_logger().info("run folder on %s: %s", p.host.display_name, ctx.run_dir)
         if not p.target.model or not p.data.inputs:
             p = _with_embedded_default(ctxs, p)
+        p = p.model_copy(update={"data": regenerate_answers(ctxs, p.target, p.data)})  # the target's own answers
 
         datasets = prepare_data.map(ctxs, unmapped(p.target), unmapped(p.data)).result()
         dataset = same_data(datasets, hosts)

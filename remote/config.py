@@ -116,6 +116,8 @@ def _conform(value: Any, tp: Any) -> tuple[bool, Any]:
         return isinstance(value, tp), value
     if (origin or tp) is dict:
         return isinstance(value, dict), value
+    if dataclasses.is_dataclass(tp):  # a nested group of options (data.regenerate): its own checks run
+        return (True, value) if isinstance(value, tp) else (isinstance(value, dict), tp(**value) if isinstance(value, dict) else value)
     if (origin or tp) in (list, tuple):
         return _conform_items(value, origin or tp, args)
     raise TypeError(f"no check for a field of type {tp!r}")  # a config field of a type this module does not know

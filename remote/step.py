@@ -36,6 +36,7 @@ STEP_MODULES = {
     "prepare": "remote.data.prepare",
     "embedded_default": "remote.data.embedded_default",
     "data_delta": "remote.data.delta",
+    "regenerate": "remote.data.regenerate",
     "patch_worker": "remote.capture.patch_worker",
     "capture": "remote.capture.capture",
     "vocab": "remote.train.vocab",

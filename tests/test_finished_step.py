@@ -17,6 +17,8 @@ NOWHERE = "/nonexistent/eaglet"
 STEPS = {  # step -> (its config, a changed key and value)
     "prepare": ({"inputs": [f"{NOWHERE}/a.jsonl"], "tokenizer": f"{NOWHERE}/model"}, ("max_length", 64)),
     "embedded_default": ({"conversations": 5}, ("conversations", 6)),
+    "regenerate": ({"inputs": [f"{NOWHERE}/a.jsonl"], "target": f"{NOWHERE}/model", "cache_root": f"{NOWHERE}/cache"},
+                   ("temperature", 0.7)),
     "data_delta": ({"inputs": [f"{NOWHERE}/a.jsonl"], "state_dir": f"{NOWHERE}/state"}, ("heldout_permille", 20)),
     "patch_worker": ({"target": f"{NOWHERE}/model"}, ("tensor_parallel_size", 2)),
     "capture": ({"dataset": f"{NOWHERE}/data.parquet", "target": f"{NOWHERE}/model", "cache_root": f"{NOWHERE}/cache"},
@@ -34,11 +36,12 @@ STEPS = {  # step -> (its config, a changed key and value)
 # what a step reads of a finished output besides the config (capture: its shards in the cache; the log's summary)
 EXTRA = {"capture": {"capture": {"shards": [], "shard_bytes": {}}}, "embedded_default": {"format": FORMAT},
          "prepare": {"counts": {"samples": 3}}, "data_delta": {"counts": {"new": 3}},
-         "promote": {"decision": {"reason": "better"}}}
+         "promote": {"decision": {"reason": "better"}}, "regenerate": {"counts": {"conversations": 3}}}
 CONFIG_CLASS = {"prepare": "PrepareConfig", "embedded_default": "EmbeddedDefaultConfig", "data_delta": "DataDeltaConfig",
                 "patch_worker": "PatchWorkerConfig", "capture": "CaptureConfig", "vocab": "VocabConfig",
                 "train": "TrainConfig", "export": "ExportConfig", "evaluate": "EvaluateConfig",
-                "online_eval": "OnlineConfig", "promote": "PromoteConfig"}
+                "online_eval": "OnlineConfig", "promote": "PromoteConfig", "regenerate": "RegenerateConfig"}
+REMADE = ("embedded_default", "regenerate")  # caches shared by runs: another config makes the folder again
 
 
 def test_the_table_holds_every_step():
@@ -62,7 +65,7 @@ def _raw(name: str, tmp_path, **changes) -> dict:
     return {**STEPS[name][0], "out_dir": str(tmp_path / name), **changes}
 
 
-@pytest.mark.parametrize("name", [n for n in STEPS if n != "embedded_default"])
+@pytest.mark.parametrize("name", [n for n in STEPS if n not in REMADE])
 def test_a_changed_config_is_refused_naming_the_key(name, tmp_path):
     module, _ = _step(name)
     _finished(name, _raw(name, tmp_path))
@@ -87,6 +90,22 @@ def test_the_embedded_default_makes_its_parts_again_for_another_config(tmp_path,
     monkeypatch.setattr(module, "ensure_model", ensure_model)
     with pytest.raises(Rebuilding):
         module.run(_raw("embedded_default", tmp_path, conversations=6))
+
+
+def test_regenerate_answers_again_for_other_sampling_settings(tmp_path, monkeypatch):
+    """Its answers are cached by their sampling settings: another config reads the inputs again."""
+    module, _ = _step("regenerate")
+    _finished("regenerate", _raw("regenerate", tmp_path))
+
+    class Rereading(Exception):
+        pass
+
+    def input_files(*_):
+        raise Rereading
+
+    monkeypatch.setattr(module, "input_files", input_files)
+    with pytest.raises(Rereading):
+        module.run(_raw("regenerate", tmp_path, temperature=0.7))
 
 
 @pytest.mark.parametrize("name", [n for n in STEPS if n != "patch_worker"])  # its check also starts vLLM's version probe

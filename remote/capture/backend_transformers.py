@@ -98,7 +98,9 @@ class HfCapture:
                                  output_hidden_states=True, logits_to_keep=1)
         finally:
             hook.remove()
-        aux = torch.cat([out.hidden_states[i][0] for i in self.layer_ids], dim=-1).to("cpu")
+        # no aux layers: a subclass that only generates (remote.data.regenerate_engines) probes causality on the last
+        aux = torch.cat([out.hidden_states[i][0] for i in self.layer_ids] or [out.hidden_states[-1][0][:, :0]],
+                        dim=-1).to("cpu")
         last = final["h"][0].to("cpu")
         return list(zip(aux.split(lengths), last.split(lengths)))
 

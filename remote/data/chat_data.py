@@ -62,6 +62,7 @@ EMPTY_CONTENT = "empty_content"
 INVALID_UNICODE = "invalid_unicode"  # text with a lone surrogate ("\ud800"): valid JSON, not encodable as UTF-8
 NOT_ALTERNATING = "not_alternating"  # system not first, two users in a row, starts with the assistant
 NO_ASSISTANT_TURN = "no_assistant_turn"
+UNKNOWN_SPLIT = "unknown_split"  # a record's `split` that is neither "train" nor "heldout"
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +71,7 @@ class Conversation:
 
     turns: tuple[tuple[str, str], ...]  # (role, content), roles "system" | "user" | "assistant"
     where: str  # "file:line" (JSON), "file:row N" (Parquet, datasets)
+    split: str | None = None  # the split the record names (regenerated data keeps its prompt's); None: by hash
 
     @property
     def sample_id(self) -> str:
@@ -166,12 +168,20 @@ def read_conversations(inputs: Iterable[str], report: ReadReport) -> Iterator[Co
     for where, rec in iter_records(inputs, report):
         try:
             turns, trimmed = parse_record(rec)
+            split = _named_split(rec)
         except BadRecord as e:
             report.skip(e.reason, where, e.detail)
             continue
         if trimmed:
             report.notes["trailing_user_turn_trimmed"] += 1
-        yield Conversation(turns, where)
+        yield Conversation(turns, where, split)
+
+
+def _named_split(rec: dict) -> str | None:
+    split = rec.get("split")
+    if split not in (None, "train", "heldout"):
+        raise BadRecord(UNKNOWN_SPLIT, f"split {split!r}: a record may name 'train' or 'heldout'")
+    return split
 
 
 def iter_records(inputs: Iterable[str], report: ReadReport) -> Iterator[tuple[str, Any]]:

@@ -29,11 +29,91 @@ class PrepareOptions(Checked):
 
 
 @dataclass(frozen=True, kw_only=True)
+class RegenerateOptions(Checked):
+    """The flow's `data.regenerate`: the target answers the prompts itself before prepare (off by default)."""
+
+    enabled: bool = False
+    """regenerate the answers with the target before prepare (off: train on the data's own answers)"""
+    backend: Literal["vllm", "transformers"] = "vllm"
+    """vllm: tensor parallel; transformers: one device, no vLLM"""
+    tensor_parallel_size: int = bounded(1, ge=1)
+    """GPUs the target is split over (vllm), like the capture's"""
+    temperature: float = bounded(0.0, ge=0)
+    """sampling temperature of the train split (0: greedy); the held-out split is always greedy"""
+    top_p: float = bounded(1.0, gt=0, le=1)
+    """nucleus sampling mass"""
+    max_tokens: int = bounded(1024, ge=1)
+    """tokens an answer may have (its end-of-turn token included)"""
+    seed: int = bounded(0, ge=0)
+    """base of every request's own seed"""
+    n: int = bounded(1, ge=1)
+    """answers per train prompt (each a conversation of its own); held-out prompts get one"""
+    turns: Literal["all", "last"] = "all"
+    """all: every assistant turn, turn by turn; last: only the last one"""
+    thinking: Literal["keep", "drop", "disable"] = "keep"
+    """a reasoning target's <think> block: kept as written, dropped, or disabled in the template"""
+    keep_cut: bool = False
+    """keep answers cut at max_tokens (their end-of-turn token is then not the target's)"""
+    samples_per_shard: int = bounded(512, ge=1)
+    """prompts in one cache shard, the unit of resume"""
+    max_num_seqs: int = bounded(64, ge=1)
+    """requests in flight in the engine (vllm)"""
+    max_num_batched_tokens: int = bounded(8192, ge=1)
+    """tokens of one engine step (vllm)"""
+    gpu_memory_utilization: float = bounded(0.85, gt=0, le=1)
+    """share of each GPU vLLM may take"""
+    max_model_len: int = bounded(0, ge=0)
+    """the engine's context (prompt + answer); 0: the target's max_position_embeddings"""
+    dtype: str = "auto"
+    """of the weights in the engine; auto: the target's own"""
+    cpu_kvcache_gib: int = bounded(2, ge=1)
+    """KV cache per rank on a CPU host (VLLM_CPU_KVCACHE_SPACE), GiB"""
+    batch_size: int = bounded(16, ge=1)
+    """prompts generated together (transformers)"""
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """transformers backend: auto (cuda when there is one), cuda or cpu"""
+    engine_start_s: float = bounded(1800.0, gt=0)
+    """seconds vLLM may take to start; then it fails"""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.backend == "transformers" and self.tensor_parallel_size != 1:
+            raise ConfigError("tensor_parallel_size: the transformers backend runs on one device: set it to 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RegenerateConfig(RegenerateOptions):
+    inputs: list[str]
+    """the conversations prepare would read (files, folders, saved datasets)"""
+    target: str
+    """the target model folder on this host: its weights, tokenizer and chat template"""
+    out_dir: str
+    """where conversations.jsonl and manifest.json go (through out_dir.partial)"""
+    cache_root: str
+    """the host's cache folder: answers are kept in <cache_root>/regenerate/<key>/"""
+    target_revision: str = ""
+    """a label for the weights, part of the cache key; "": the target's path"""
+    heldout_permille: int = bounded(PrepareOptions.heldout_permille, ge=0, le=1000)
+    """prepare's: which prompts are held out (answered greedily)"""
+    max_samples: int | None = bounded(None, ge=1)
+    """answer only the first this many conversations (prepare's max_samples)"""
+    trust_remote_code: bool = False
+    """load a target / tokenizer that ships its own code"""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.inputs:
+            raise ConfigError("inputs: expected a non-empty list of paths, got []")
+
+
+@dataclass(frozen=True, kw_only=True)
 class DataOptions(PrepareOptions):
     """The data stage as the flow shows it: prepare's options and the size of the embedded demo data."""
 
     demo_conversations: int = bounded(300, ge=1)
     """conversations taken from the ShareGPT package when inputs is empty"""
+    regenerate: RegenerateOptions = field(default_factory=RegenerateOptions)
+    """have the target answer the prompts itself before prepare (remote/data/regenerate.py): off, or the sampling settings"""
 
 
 @dataclass(frozen=True, kw_only=True)

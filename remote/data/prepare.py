@@ -9,7 +9,8 @@ writes out_dir/data.parquet, one row a sample, in input order (first occurrence 
     input_ids  list<int32>    the conversation rendered with the target's own chat template
     loss_mask  list<int8>     1 on what the assistant wrote: its text and its end-of-turn marker
     length     int32          len(input_ids)
-    split      str            "train" or "heldout", decided by sample_id alone
+    split      str            "train" or "heldout", decided by sample_id alone (or named by the record:
+                              regenerated answers keep their prompt's split, remote.data.regenerate)
 
 and manifest.json with the counts (samples, dropped_by_reason, tokens, loss_tokens, truncated,
 length_histogram) and `fingerprint`: sha256 over the sorted sample ids, the tokenizer and template,
@@ -304,7 +305,7 @@ def _encode_batch(cfg, chat, batch, report, tally) -> list[tuple[str, list[int],
                 tally.dropped[NO_LOSS_LEFT] += 1
                 continue
             tally.truncated += 1
-        rows.append((sid, ids, mask, split_of(sid, cfg.heldout_permille)))
+        rows.append((sid, ids, mask, conv.split or split_of(sid, cfg.heldout_permille)))
     return rows
 
 
