@@ -106,11 +106,17 @@ def capture_hidden_states(ctx: RunContext, target: TargetOptions, dataset: Prepa
     c, f, cap = m["counts"], m["figures"], m["capture"]
     create_table_artifact(key="capture-figures", table=figures_table(m),
                           description=f"capture: {c['captured']} samples captured, {c['reused']} reused, "
-                                      f"{f['tokens_per_s'] or 0} tokens/s")
-    get_run_logger().info("captured %d samples (%d reused) into %d shards in %s; %s tokens/s, %s bytes/token",
-                          c["captured"], c["reused"], c["shards"], cap["cache_dir"], f["tokens_per_s"],
-                          f["bytes_per_token"])
+                                      f"{_rate(f)}")
+    get_run_logger().info("captured %d samples (%d reused) into %d shards in %s; %s", c["captured"], c["reused"],
+                          c["shards"], cap["cache_dir"], _rate(f))
     return CapturedStates(path=ctx.step_dir("capture"), cache_dir=cap["cache_dir"], shards=cap["shards"],
                           layer_ids=cap["layer_ids"], hidden_size=cap["hidden_size"], dtype=cap["dtype"],
                           samples=c["samples"], captured=c["captured"], reused=c["reused"], tokens=c["tokens"],
                           figures=f)
+
+
+def _rate(f: dict) -> str:
+    """The capture's speed and size, or that nothing was captured (all of it came from the cache)."""
+    if not f["tokens_per_s"]:
+        return "nothing captured now"
+    return f"{f['tokens_per_s']} tokens/s, {f['bytes_per_token']} bytes/token"
