@@ -90,11 +90,11 @@ def build_vocab(ctx: RunContext, target: TargetOptions, dataset: PreparedData, p
     m = ctx.run_step("vocab", vocab_config(out_dir, target, dataset, params), timeout=VOCAB_TIMEOUT_S,
                      title="Draft vocabulary")
     n, cov = m["vocab"]["draft_vocab_size"], m["figures"]["coverage"]
-    create_markdown_artifact(key="draft-vocab", description=f"draft vocabulary: {n} tokens, coverage {cov:.1%}",
-                             markdown=(
-        f"# Draft vocabulary\n\n{n} of {m['vocab']['target_vocab_size']} target tokens "
-        f"(asked for {m['counts']['requested_draft_vocab_size']}); they cover {cov:.1%} of the "
-        f"{m['counts']['train_loss_tokens']} train loss tokens.\n"))
+    markdown = (f"# Draft vocabulary\n\n{n} of {m['vocab']['target_vocab_size']} target tokens (asked for "
+                f"{m['counts']['requested_draft_vocab_size']}); they cover {cov:.1%} of the "
+                f"{m['counts']['train_loss_tokens']} train loss tokens.\n")
+    create_markdown_artifact(key="draft-vocab", markdown=markdown,
+                             description=f"draft vocabulary: {n} tokens, coverage {cov:.1%}")
     get_run_logger().info("draft vocabulary: %d tokens, coverage %.3f", n, cov)
     return DraftVocabInfo(path=out_dir, draft_vocab_size=n, coverage=cov)
 
