@@ -282,6 +282,26 @@ def loss_chart(points: list[list[float]], caption: str) -> str:
     return markdown_figure(fig, "training loss per step", caption)
 
 
+HELDOUT_CAPTION = ("Acceptance length on the held-out split, measured during training without an engine: the "
+                   "target's own next tokens replayed against the draft's chain (k tokens a step). The published "
+                   "draft is the best of these measurements; training stops early when they stop improving.")
+
+
+def heldout_chart(points: list[list[float]], best_step: int | None, caption: str) -> str:
+    """Held-out acceptance length per evaluated step ([step, chain, replayed] points), the best one marked."""
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = _axes("optimizer step", "acceptance length", "Held-out acceptance during training")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    steps = [p[0] for p in points]
+    ax.plot(steps, [p[1] for p in points], color=COLORS[0], marker="o", linewidth=1.6, label="chain")
+    ax.plot(steps, [p[2] for p in points], color=COLORS[1], marker="s", linewidth=1.2, label="replayed")
+    if best_step is not None:
+        ax.axvline(best_step, color="grey", linestyle="--", linewidth=1, label=f"published (step {best_step})")
+    ax.legend(loc="lower right")
+    return markdown_figure(fig, "held-out acceptance length per step", caption)
+
+
 def position_chart(series: dict[str, list[float]], caption: str) -> str:
     """Grouped bars: per speculative position, the share of drafts accepted through it, one bar per run."""
     from matplotlib.ticker import PercentFormatter

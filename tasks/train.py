@@ -23,7 +23,7 @@ from remote.config import TargetOptions, pick
 from remote.train.config import ExportConfig, TrainConfig, TrainOptions, VocabConfig, VocabOptions
 from tasks.capture import CapturedStates
 from tasks.context import RunContext, step_task
-from tasks.evaluate import LOSS_CAPTION, loss_chart
+from tasks.evaluate import HELDOUT_CAPTION, LOSS_CAPTION, heldout_chart, loss_chart
 from tasks.multihost import NodeLaunch
 from tasks.prepare import PreparedData
 
@@ -69,14 +69,17 @@ def export_config(out_dir: str, trained: TrainedDraft, vocab: DraftVocabInfo) ->
     return asdict(ExportConfig(train_dir=trained.path, vocab_dir=vocab.path, out_dir=out_dir))
 
 
-def loss_curve_markdown(points: list[list[float]], figures: dict) -> str:
-    """The training run as markdown: loss curve (an SVG image: the UI strips inline SVG) and the final per-step accuracy."""
+def loss_curve_markdown(points: list[list[float]], figures: dict, heldout: list[list[float]] | None = None) -> str:
+    """The training run as markdown: the loss curve, the held-out acceptance curve (PNG images: the UI strips
+    inline SVG) and the final per-step accuracy."""
     acc = figures.get("final_acc") or []
     lines = ["# Draft training", "",
              f"{figures.get('steps', len(points))} steps, final loss {figures.get('final_loss', float('nan')):.4f}, "
              f"{figures.get('tokens_per_s', 0):.0f} tokens/s", ""]
     if len(points) >= 2:
         lines += [loss_chart(points, LOSS_CAPTION), ""]
+    if heldout:
+        lines += [heldout_chart(heldout, figures.get("best_step"), HELDOUT_CAPTION), ""]
     if acc:
         lines += ["| TTT step | " + " | ".join(str(i + 1) for i in range(len(acc))) + " |",
                   "|---|" + "---|" * len(acc),
@@ -111,8 +114,9 @@ def train_draft(ctx: RunContext, target: TargetOptions, captured: CapturedStates
     get_run_logger().info("trained %d steps, world size %d over %d host(s); tokens by host %s",
                           c["steps"], c["world_size"], c.get("nnodes", 1), m["figures"].get("tokens_by_node"))
     if ctx.part == 0:  # the manifest's curve, not the streamed events: those of a resumed or skipped run are partial
-        create_markdown_artifact(key="draft-training", markdown=loss_curve_markdown(m["train"]["loss_points"], m["figures"]),
-                                 description=f"draft training: {c['steps']} steps, final loss {m['figures'].get('final_loss', 0):.4f}")
+        markdown = loss_curve_markdown(m["train"]["loss_points"], m["figures"], m["train"].get("heldout_points"))
+        create_markdown_artifact(key="draft-training", markdown=markdown, description=(
+            f"draft training: {c['steps']} steps, final loss {m['figures'].get('final_loss', 0):.4f}"))
     return TrainedDraft(path=out_dir, steps=m["counts"]["steps"], figures=m["figures"])
 
 

@@ -216,6 +216,8 @@ def test_task_configs_and_loss_artifact():
     assert image, md
     assert base64.b64decode(image.group(1)).startswith(b"\x89PNG") and "<svg" not in md  # matplotlib, not SVG
     assert "| top-1 agreement | 0.500 | 0.250 |" in md
+    with_heldout = loss_curve_markdown([[1, 3.0], [2, 2.5]], {"steps": 2, "best_step": 2}, [[1, 1.2, 1.1], [2, 1.5, 1.4]])
+    assert with_heldout.count("data:image/png;base64,") == 2 and "held-out acceptance length per step" in with_heldout
 
 
 # ----------------------------------------------------------------------------- warm start (the nightly retrain)
