@@ -121,20 +121,31 @@ def chain_of_batch(draft, head, b, steps: int, k: int) -> tuple[ChainCounts, int
 
     t = len(b.input_ids)
     idx = torch.arange(t, device=b.input_ids.device)
-    tgt = head.targets(b, steps)
     attn = TTTAttention(b.doc_ids, "dense")
     hidden = draft.fc(b.aux)
-    guesses, truths, known = [], [], []
+    guesses = []
     for k in range(steps):
-        nxt = (idx + 1 + k).clamp(max=t - 1)  # the token read; the target's top-1 there is the one to match
+        nxt = (idx + 1 + k).clamp(max=t - 1)  # the token read
         prenorm, normed = draft.step(draft.embed(b.input_ids[nxt]), hidden, b.positions + k, attn)
         guesses.append(draft.lm_head(normed).argmax(-1))
+        hidden = prenorm
+    return score_chains(torch.stack(guesses, 1), head, b, k)
+
+
+def score_chains(guesses: torch.Tensor, head, b, k: int) -> tuple[ChainCounts, int, int]:
+    """Chain counts and the greedy replay (drafts, accepted) of a draft's guesses [T, steps] (draft ids;
+    row t, step j guesses token t+2+j) against the target's top-1 on this packed batch."""
+    t, steps = guesses.shape
+    idx = torch.arange(t, device=b.input_ids.device)
+    tgt = head.targets(b, steps)
+    truths, known = [], []
+    for j in range(steps):
+        nxt = (idx + 1 + j).clamp(max=t - 1)  # the token read; the target's top-1 there is the one to match
         # outside the draft vocabulary the target's choice cannot be guessed: -1 never matches
         truths.append(torch.where(tgt.in_draft[nxt], tgt.logits[nxt].argmax(-1), torch.full_like(nxt, -1)))
-        j = (idx + 2 + k).clamp(max=t - 1)
-        known.append((idx + 2 + k < t) & (b.doc_ids[j] == b.doc_ids) & b.loss_mask[j])
-        hidden = prenorm
-    g, tr, kn = torch.stack(guesses, 1).cpu(), torch.stack(truths, 1).cpu(), torch.stack(known, 1).cpu()
+        nj = (idx + 2 + j).clamp(max=t - 1)
+        known.append((idx + 2 + j < t) & (b.doc_ids[nj] == b.doc_ids) & b.loss_mask[nj])
+    g, tr, kn = guesses.cpu(), torch.stack(truths, 1).cpu(), torch.stack(known, 1).cpu()
     drafts, accepted = greedy_walk(leading_right(g, tr, kn).tolist(), turn_spans(b.loss_mask.cpu(), b.doc_ids.cpu()), k)
     return chain_counts(g, tr, kn), drafts, accepted
 
