@@ -9,10 +9,10 @@ The first 5,000 clean conversations are the first 4,468 rows of that data.parque
 order; checked against a prepare of 5,000): `--subset-rows 4468`. On the H200 (the transformers
 capture; no vLLM there), with PACK/a and PACK/b joined into smollm2.gguf beside data.parquet:
 
-    python3 bench/quality_bench.py --gguf smollm2.gguf --prepared data.parquet --subset-rows 4468 \\
-        --arms ten-minutes --cache-root /dev/shm/qb --work /root/qb/work --out $OUT
-    python3 bench/quality_bench.py --model-dir /root/qb/work/model --prepared data.parquet --subset-rows 4468 \\
-        --arms budget --parallel 5 --deadline 540 --cache-root /dev/shm/qb --work /root/qb/work --out $OUT
+    python3 bench/quality_bench.py --gguf smollm2.gguf --prepared data.parquet --subset-rows 4468 \
+        --arms budget --parallel 8 --deadline 540 --cache-root /dev/shm/qb --work /root/qb/work --out $OUT
+    python3 bench/quality_bench.py --model-dir /root/qb/work/model --prepared data.parquet \
+        --arms ten-minutes --calibrate --cache-root /dev/shm/qb --work /root/qb/work --out $OUT
 
 The CPU dress rehearsal (a tiny random target of SmolLM2's vocabulary, a few rows, a few steps of
 every arm; the same code paths, compiled ones on a GPU):
@@ -28,7 +28,8 @@ conditional accuracies p1..p3 on the held-out split. Arms share the capture and 
 their data ("subset": the first --subset-rows samples; "all": every one); an arm with own_capture
 captures its data itself into a fresh cache, timed as its own (the 10-minute arm: capture +
 training + offline evaluation within budget_seconds, training sized to what is left: --tokens-per-s
-and --startup-s are its estimates of the trainer). Arms run --parallel at a time (each a process on
+and --startup-s are its estimates of the trainer, or --calibrate reads them from what the eaglet
+arms of an earlier run in the same work folder measured). Arms run --parallel at a time (each a process on
 the one GPU: the small draft leaves it mostly idle); `concurrent` in each record names the arms that ran
 beside it, so its wall time is read with that. Results go to OUT/quality.json, rewritten as each
 arm ends; an arm marked keep leaves its draft in OUT/draft-<name>.tar (the lm_head left out when
@@ -187,6 +188,33 @@ def run_arm(arm: dict, shared: dict, model: str, a, work: Path, t_start: float, 
     return rec
 
 
+def calibration(result: dict, work: Path) -> list[dict]:
+    """What the eaglet arms of this run say about the trainer, for sizing a later budget_seconds arm
+    (`--calibrate`): token_budget over the median seconds of its last 30 steps (the longest arm ends
+    alone) and the seconds of the train step outside its steps (start, compile, evaluations, the write)."""
+    cal = []
+    for r in result["arms"]:
+        curve = work / r["name"] / "train" / "loss.jsonl"
+        if r["impl"] != "eaglet" or "error" in r or not curve.is_file():
+            continue
+        rows = [json.loads(line) for line in curve.read_text().splitlines() if line.strip()]
+        last = sorted(x["seconds"] for x in rows[-30:])
+        budget = r["train_settings"].get("token_budget", 8192)  # nominal: what size_training divides by
+        cal.append({"arm": r["name"], "tokens_per_s": budget / last[len(last) // 2], "steps": len(rows),
+                    "startup_s": r["seconds"]["train"] - sum(x["seconds"] for x in rows), "concurrent": r["concurrent"]})
+    return cal
+
+
+def calibrate(a, work: Path) -> None:
+    """--tokens-per-s and --startup-s from an earlier run's calibration.json in this work folder."""
+    cal = json.loads((work / "calibration.json").read_text())["arms"]
+    if not cal:
+        raise SystemExit(f"{work}/calibration.json holds no finished eaglet arm to size the training by")
+    a.tokens_per_s = max(c["tokens_per_s"] for c in cal)
+    a.startup_s = max(c["startup_s"] for c in cal) + a.startup_margin_s
+    print(f"calibrated: {a.tokens_per_s:.0f} tokens/s, {a.startup_s:.0f} s outside the steps", flush=True)
+
+
 # ----------------------------------------------------------------------------- drafts that travel back
 def keep_draft(export: Path, model: str, dest: Path) -> dict:
     """export as a tar at dest; its lm_head left out when it is the target's rows (a 32k x H matrix)."""
@@ -285,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens-per-s", type=float, default=100000, help="budget arms: the trainer's tokens/s, estimated")
     ap.add_argument("--startup-s", type=float, default=100, help="budget arms: the trainer's start (load, compile)")
     ap.add_argument("--reserve-s", type=float, default=60, help="budget arms: seconds kept for export and evaluate")
+    ap.add_argument("--calibrate", action="store_true", help="budget arms: the two estimates from WORK/calibration.json")
+    ap.add_argument("--startup-margin-s", type=float, default=30, help="--calibrate: seconds added to the start")
     ap.add_argument("--smoke", action="store_true", help="CPU dress rehearsal: tiny random target, few rows")
     ap.add_argument("--unpack", nargs=2, metavar=("TAR", "DEST"), help="only make a kept draft whole (with --model-dir)")
     a = ap.parse_args(argv)
@@ -299,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.smoke:  # and the 10-minute arm trains 4 steps of 512 tokens
         a.subset_rows, a.draft_vocab_size, a.capture_tokens, a.tokens_per_s = 24, 1024, 4096, 5
     arms = [x for x in arms_of("smoke" if a.smoke else a.arms) if not a.only or x["name"] in a.only]
+    if a.calibrate:
+        calibrate(a, work)
     model = target_model(a, work)
     cut = dict(max_tokens=256, min_heldout=3) if a.smoke else {}
     datasets = {"all": str(select_rows(a.prepared, work / "data-all" / "data.parquet", 48 if a.smoke else 0, **cut)),
@@ -325,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     with ThreadPoolExecutor(max_workers=a.parallel) as pool:
         list(pool.map(one, arms))
     write_result(out / "quality.json", result)
+    write_result(work / "calibration.json", {"arms": calibration(result, work)})
     print(json.dumps([summary_line(r) for r in result["arms"]], indent=1))
     return 0 if all("error" not in r for r in result["arms"]) else 1
 

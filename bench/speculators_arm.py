@@ -216,7 +216,7 @@ class Arm:
         k = min(3, c.ttt_steps)
         for batch in _batches(order, index.lengths, c.eval_token_budget, c.eval_max_tokens):
             b = index.load(batch, c.eval_token_budget).to(self.device, dtype)
-            x = shifted(b, c.eval_token_budget + 1 if self.cuda else 0)  # +1: one shape, never an empty pad
+            x = shifted(b, c.eval_token_budget if self.cuda else 0)  # one shape: a shifted batch is always shorter
             rows = x.pop("rows")
             for key in ("loss_mask", "verifier_last_hidden_states"):
                 x.pop(key)
