@@ -21,7 +21,7 @@ every arm; the same code paths, compiled ones on a GPU):
 
 An arm (bench/quality_arms.json holds the presets; `--arms FILE` takes a JSON list) is a dict:
 impl "eaglet" runs `python -m remote.train.train --config` with its `train` dict as TrainConfig keys,
-then remote.train.export; impl "speculators" runs bench.speculators_arm (speculators' own draft,
+then remote.train.export (its `export` dict as ExportConfig keys); impl "speculators" runs bench.speculators_arm (speculators' own draft,
 loss and optimiser on the same packed capture, converted to eaglet's export). Both then go through
 the same remote.evaluate step, offline, k = 3: acceptance length, the replayed one and the
 conditional accuracies p1..p3 on the held-out split. Arms share the capture and the vocabulary of
@@ -86,20 +86,28 @@ def select_rows(src: str, dst: Path, rows: int = 0, max_tokens: int = 0, min_hel
     return dst
 
 
-def smoke_target(folder: Path) -> str:
-    """A random Llama of SmolLM2's vocabulary and a few layers: the dress rehearsal's target."""
+def smoke_target(folder: Path, data: str, boost: int) -> str:
+    """A random Llama of SmolLM2's vocabulary and a few layers: the dress rehearsal's target. The lm_head
+    rows of the data's `boost` most frequent tokens are made longer, so its top-1 mostly lies in the
+    draft vocabulary and the figures are not all trivially 1."""
+    import pyarrow.parquet as pq
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if not (folder / "config.json").is_file():
         torch.manual_seed(0)
-        LlamaForCausalLM(LlamaConfig(**SMOKE_TARGET)).save_pretrained(folder)
+        model = LlamaForCausalLM(LlamaConfig(**SMOKE_TARGET))
+        rows = pq.read_table(data).slice(0, 64).column("input_ids").to_pylist()
+        ids = torch.tensor([i for row in rows for i in row])
+        with torch.no_grad():
+            model.lm_head.weight[torch.bincount(ids, minlength=SMOKE_TARGET["vocab_size"]).topk(boost).indices] *= 4
+        model.save_pretrained(folder)
     return str(folder)
 
 
 def target_model(a: argparse.Namespace, work: Path) -> str:
     if a.smoke:
-        return smoke_target(work / "smoke-target")
+        return smoke_target(work / "smoke-target", a.prepared, a.draft_vocab_size)
     if a.model_dir:
         return a.model_dir
     gguf_as_package(a.gguf)
@@ -161,8 +169,8 @@ def run_arm(arm: dict, shared: dict, model: str, a, work: Path, t_start: float, 
             cfg = {**common, "out_dir": str(folder / "train"), "checkpoint_every": 10 ** 9, **train}
             rec["seconds"]["train"], tm = run_step("train", cfg, folder, left())
             rec["seconds"]["export"], _ = run_step("export", {"train_dir": str(folder / "train"), "vocab_dir":
-                                                              own["vocab_dir"], "out_dir": str(folder / "export")},
-                                                   folder, left())
+                                                              own["vocab_dir"], "out_dir": str(folder / "export"),
+                                                              **arm.get("export", {})}, folder, left())
         elif impl == "speculators":
             cfg = {**common, "out_dir": str(folder / "export"), **train}
             rec["seconds"]["train"], tm = run_step("speculators_arm", cfg, folder, left(), module="bench.speculators_arm")
