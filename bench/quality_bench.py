@@ -302,6 +302,24 @@ def arms_of(spec: str) -> list[dict]:
     return presets[spec]
 
 
+def check_arms(arms: list[dict]) -> None:
+    """Every arm's settings against the config it becomes (unknown keys, bad values), before anything runs."""
+    from bench.speculators_arm import SpeculatorsArmConfig
+    from remote.step import BadInput, load_config
+    from remote.train.export import ExportConfig
+    from remote.train.train import TrainConfig
+
+    paths = {"capture_dir": "c", "vocab_dir": "v", "out_dir": "o"}
+    for arm in arms:
+        try:
+            cls = {"eaglet": TrainConfig, "speculators": SpeculatorsArmConfig}[arm["impl"]]
+            load_config(cls, {**paths, "max_steps": 1, **arm.get("train", {})}, where=f"arm {arm['name']} train")
+            load_config(ExportConfig, {"train_dir": "t", "vocab_dir": "v", "out_dir": "o", **arm.get("export", {})},
+                        where=f"arm {arm['name']} export")
+        except (KeyError, BadInput) as e:
+            raise SystemExit(f"arm {arm.get('name')}: {e}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="folder of quality.json and the kept drafts")
@@ -325,9 +343,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--startup-margin-s", type=float, default=30, help="--calibrate: seconds added to the start")
     ap.add_argument("--smoke", action="store_true", help="CPU dress rehearsal: tiny random target, few rows")
     ap.add_argument("--unpack", nargs=2, metavar=("TAR", "DEST"), help="only make a kept draft whole (with --model-dir)")
+    ap.add_argument("--check", action="store_true", help="only check the arms' settings against their configs")
     a = ap.parse_args(argv)
     if a.unpack:
         print(unpack(a.unpack[0], a.model_dir, Path(a.unpack[1])))
+        return 0
+    if a.check:
+        check_arms(arms_of(a.arms))
         return 0
     t_start = time.perf_counter()
     work, out = Path(a.work), Path(a.out)
@@ -337,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.smoke:  # and the 10-minute arm trains 4 steps of 512 tokens
         a.subset_rows, a.draft_vocab_size, a.capture_tokens, a.tokens_per_s = 24, 1024, 4096, 5
     arms = [x for x in arms_of("smoke" if a.smoke else a.arms) if not a.only or x["name"] in a.only]
+    check_arms(arms)
     if a.calibrate:
         calibrate(a, work)
     model = target_model(a, work)
