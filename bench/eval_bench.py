@@ -57,7 +57,7 @@ def steps(work: Path, model: str, data: str, a: argparse.Namespace) -> list[tupl
         ("export", {"train_dir": f"{w}/train", "vocab_dir": f"{w}/vocab", "out_dir": f"{w}/export"}),
         ("evaluate", {"target": model, "draft_dir": f"{w}/export", "data": prepared,
                       "capture_dir": f"{w}/capture", "out_dir": f"{w}/evaluate", "num_speculative_tokens": a.k,
-                      "run_online": a.online, "online": {"prompts": a.prompts, "max_tokens": a.max_tokens}}),
+                      "online": a.online, "prompts": a.prompts, "max_tokens": a.max_tokens}),
     ]
 
 

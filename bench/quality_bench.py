@@ -306,8 +306,7 @@ def check_arms(arms: list[dict]) -> None:
     """Every arm's settings against the config it becomes (unknown keys, bad values), before anything runs."""
     from bench.speculators_arm import SpeculatorsArmConfig
     from remote.step import BadInput, load_config
-    from remote.train.export import ExportConfig
-    from remote.train.train import TrainConfig
+    from remote.train.config import ExportConfig, TrainConfig
 
     paths = {"capture_dir": "c", "vocab_dir": "v", "out_dir": "o"}
     for arm in arms:

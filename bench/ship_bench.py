@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tasks.hosts import HostParams, open_host
+from tasks.host import HostParams, open_host
 from tasks.ship import REMOTE_SRC, ship_code
 from tests.fixtures.sshd import ZSH_USER, ensure_user, start_sshd
 

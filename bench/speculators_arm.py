@@ -36,10 +36,10 @@ import torch
 from bench.train_bench import speculators_draft
 from remote.capture.store import CaptureSet
 from remote.draft.config import DraftConfig
-from remote.draft.data import CaptureIndex, pack
+from remote.draft.data import CaptureIndex, epoch_order, pack
 from remote.draft.loss import PackedBatch, TargetHead
 from remote.evaluate.acceptance import ChainCounts
-from remote.evaluate.evaluate import _batches, score_chains
+from remote.evaluate.evaluate import heldout_plan, score_chains
 from remote.step import BadInput, StepOutput, load_config, log, step_main, write_json_atomic
 from remote.train.export import DTYPES, vllm_config
 from remote.train.state import load_target_head_weights
@@ -138,7 +138,8 @@ class Arm:
 
     def plan(self, index: CaptureIndex) -> list[list[int]]:
         c = self.cfg
-        plans = [pack(index.lengths, c.token_budget, c.seed, e) for e in range(math.ceil(c.epochs))]
+        plans = [pack(index.lengths, c.token_budget, epoch_order(len(index.refs), c.seed, e))
+                 for e in range(math.ceil(c.epochs))]
         total = c.max_steps or max(1, round(sum(len(p) for p in plans) * c.epochs / math.ceil(c.epochs)))
         return [b for p in plans for b in p][:total]
 
@@ -211,10 +212,9 @@ class Arm:
         dtype = torch.bfloat16 if self.cuda else torch.float32
         norm, lm_head = self.head_pieces
         head = TargetHead.from_weights(norm, lm_head, self.vocab.t2d, self.dcfg.rms_norm_eps).to(self.device, dtype)
-        order = sorted(range(len(index.refs)), key=lambda i: index.refs[i].sample_id)  # the evaluate step's order
         counts, drafts, accepted = ChainCounts.zeros(c.ttt_steps), 0, 0
         k = min(3, c.ttt_steps)
-        for batch in _batches(order, index.lengths, c.eval_token_budget, c.eval_max_tokens):
+        for batch in heldout_plan(index, c.eval_token_budget, c.eval_max_tokens):  # the evaluate step's batches
             b = index.load(batch, c.eval_token_budget).to(self.device, dtype)
             x = shifted(b, c.eval_token_budget if self.cuda else 0)  # one shape: a shifted batch is always shorter
             rows = x.pop("rows")

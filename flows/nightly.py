@@ -14,6 +14,7 @@ leaves `drafts/current` and the nightly's memory as they were.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -24,25 +25,29 @@ from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, Field
 
 from flows.params import (CaptureParams, DataParams, EvalParams, RendezvousParams, TargetParams, TrainDraftParams,
-                          TrainParams, _Params)
+                          TrainParams)
 from flows.train_draft import TrainDraftResult, train_draft
+from remote.config import bounded
+from remote.evaluate.config import PromoteOptions
 from tasks.context import RunContext
 from tasks.errors import BadInputError
 from tasks.host_slot import host_slot
-from tasks.hosts import HostParams
+from tasks.host import HostParams
 from tasks.nightly_data import DataDelta, commit_night, find_new_data
 from tasks.notify import notify_failure
 from tasks.promote import PromotionDecision, current_draft, promote_if_better
 from tasks.ship import ship_code_task
 
 
-class NightlyParams(_Params):
-    name: str = Field("default", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
-                      description="the nightly's name: its memory lives in <root>/nightly/<name>")
-    margin: float = Field(0.05, ge=0, description="promote only when the metric beats the current draft's by more than this")
-    metric: str = Field("acceptance_length", description="the evaluation figure compared (higher is better)")
-    warm_start: bool = Field(False, description="start training from the current draft (false: from scratch); "
-                             "lm_head rows of tokens new to the night's draft vocabulary start from the target's")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NightlyParams(PromoteOptions):
+    """The nightly's own settings: its name, the promotion rule (PromoteOptions), the warm start."""
+
+    name: str = bounded("default", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    """the nightly's name: its memory lives in <root>/nightly/<name>"""
+    warm_start: bool = False
+    """start training from the current draft (false: from scratch); lm_head rows of tokens new to the night's
+    draft vocabulary start from the target's"""
 
 
 class NightlyRunParams(TrainDraftParams):
@@ -93,8 +98,8 @@ def nightly_retrain(
         current = current_draft(ctx)
         warm = current.path if nightly.warm_start and current is not None else ""
         trained = train_draft(host=host, run_name=run_name, target=target,
-                              data=data.model_copy(update={"inputs": delta.train_inputs}), capture=capture,
-                              train=train.model_copy(update={"warm_start": warm}), eval=eval)
+                              data=dataclasses.replace(data, inputs=delta.train_inputs), capture=capture,
+                              train=dataclasses.replace(train, warm_start=warm), eval=eval)
         decision = promote_if_better(ctx, trained.draft_dir, trained.figures, metric=nightly.metric,
                                      margin=nightly.margin,
                                      context={"run": run_name, "data_fingerprint": trained.data_fingerprint,

@@ -1,73 +1,37 @@
-"""The training flow's parameters: pydantic models, so the Prefect UI shows them as a form.
+"""The training flow's parameters, shown by the Prefect UI as a form.
 
-Every field has a default that runs the embedded demo (the local host, SmolLM2-135M-Instruct and a
-ShareGPT sample from PyPI); a preset in deployments/ overrides a few of them.
+The groups of step settings are the steps' own Options dataclasses (remote/<stage>/config.py: one
+name and one default per setting, from the form to the host; pydantic reads them, with each
+field's docstring as its description). Every default runs the embedded demo (the local host,
+SmolLM2-135M-Instruct and a ShareGPT sample from PyPI); a preset in deployments/ overrides a few.
 """
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tasks.hosts import HostParams
+from remote.capture.config import CaptureOptions as CaptureParams
+from remote.config import TargetOptions as TargetParams
+from remote.data.config import DataOptions as DataParams
+from remote.evaluate.config import EvaluateOptions as EvalParams
+from remote.train.config import TrainOptions, VocabOptions
+from tasks.host import HostParams
 from tasks.multihost import DEFAULT_RDZV_PORT
+
+__all__ = ["CaptureParams", "DataParams", "EvalParams", "RendezvousParams", "TargetParams", "TrainDraftParams",
+           "TrainParams"]
 
 
 class _Params(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a misspelt key is an error, not a silent default
 
 
-class TargetParams(_Params):
-    model: str = Field("", description="HF model folder of the target on the host; empty: the embedded SmolLM2-135M-Instruct")
-    revision: str = Field("", description="a label for the target's weights (part of the capture cache key); empty: hash of its config and index")
-    trust_remote_code: bool = Field(False, description="let transformers run the target's own code (Kimi-K2.5's tokenizer needs it)")
-
-
-class DataParams(_Params):
-    inputs: list[str] = Field(default_factory=list, description="chat data on the host (JSONL, JSON, Parquet files, folders, a saved datasets folder); empty: the embedded ShareGPT sample")
-    demo_conversations: int = Field(300, ge=1, description="conversations taken from the ShareGPT package when inputs is empty")
-    max_length: int = Field(2048, ge=16, description="tokens a sample may have")
-    long_policy: Literal["truncate", "drop"] = Field("truncate", description="what happens to a longer sample")
-    heldout_permille: int = Field(50, ge=0, le=1000, description="share of samples held out for evaluation, per mille, decided by each sample's hash")
-    max_bad_fraction: float = Field(0.5, ge=0, le=1, description="fail when more than this share of rows is malformed")
-    max_samples: Optional[int] = Field(None, ge=1, description="use at most this many samples (none: all)")
-
-
-class CaptureParams(_Params):
-    backend: Literal["vllm", "transformers"] = Field("vllm", description="vllm: the serving engine, tensor parallel; transformers: the numerical reference, for targets vLLM cannot load")
-    tensor_parallel_size: int = Field(1, ge=1, description="GPUs the target is split over (8 on a Kimi-K2.5 host)")
-    layer_ids: Optional[list[int]] = Field(None, description="aux hidden-state indices (HF numbering); none: (2, N//2, N-3)")
-    samples_per_shard: int = Field(256, ge=1, description="samples packed in one capture shard (the unit of resume)")
-    max_num_seqs: int = Field(64, ge=1, description="requests in flight in the engine")
-    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="share of each GPU's memory vLLM may take")
-
-
-class TrainParams(_Params):
-    draft_vocab_size: int = Field(32000, ge=1, description="tokens of the draft's vocabulary (fewer when the data has fewer)")
-    ttt_steps: int = Field(7, ge=1, description="training-time-test steps unrolled")
-    epochs: float = Field(2.0, gt=0, description="passes over the train split")
-    lr: float = Field(3e-4, gt=0, description="peak learning rate (AdamW)")
-    batch_tokens: int = Field(8192, ge=16, description="tokens packed in one step on one process")
-    nproc_per_node: int = Field(1, ge=1, description="training processes on each host (one a GPU)")
-    checkpoint_every: int = Field(200, ge=1, description="steps between checkpoints")
-    warm_start: str = Field("", description="a draft folder to start from (the nightly run's current draft); empty: from scratch")
-
-
-class EvalParams(_Params):
-    num_speculative_tokens: int = Field(3, ge=1, description="tokens the draft proposes per step in vLLM")
-    prompts: int = Field(32, ge=1, description="held-out prompts generated for")
-    max_tokens: int = Field(64, ge=1, description="tokens generated per prompt")
-    temperature: float = Field(0.0, ge=0, description="sampling temperature of the second online run (0: greedy only)")
-    online: bool = Field(True, description="measure acceptance in vLLM on the host (not only offline)")
-    baseline: bool = Field(True, description="also decode with the target alone: the speed-up's denominator")
-    ngram: bool = Field(True, description="also measure vLLM's n-gram (prompt lookup) speculation, a draft-free baseline")
-    max_seconds: float = Field(300.0, gt=0, description="generation time budget of the baseline arm; the prompts it reaches are used by every arm")
-    max_num_seqs: int = Field(8, ge=1, description="requests decoded together online (speculation pays most at small batches)")
-    tensor_parallel_size: int = Field(1, ge=1, description="GPUs the target is split over in the online run")
-    dtype: str = Field("auto", description="vLLM dtype of the target online ('auto': its config's)")
-    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="share of each GPU vLLM may take online")
+@dataclass(frozen=True, kw_only=True)
+class TrainParams(TrainOptions, VocabOptions):
+    """The train group: the draft vocabulary's size (the vocab step) and the trainer's settings."""
 
 
 class RendezvousParams(_Params):

@@ -10,6 +10,7 @@ Code ships first: every other step runs on the host, from the shipped code.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -24,7 +25,7 @@ from tasks.context import RunContext
 from tasks.errors import BadInputError
 from tasks.evaluate import evaluate_draft
 from tasks.host_slot import host_slot
-from tasks.hosts import HostParams
+from tasks.host import HostParams
 from tasks.multihost import copy_vocab, rendezvous as plan_rendezvous, same_data
 from tasks.notify import notify_failure
 from tasks.prepare import embedded_default, prepare_data
@@ -92,7 +93,7 @@ def _with_embedded_default(ctxs: list[RunContext], p: TrainDraftParams) -> Train
                             "every host); the embedded default is made under each host's own root")
     demo = embedded_default(ctxs[0], conversations=p.data.demo_conversations)
     target = p.target if p.target.model else TargetParams(model=demo.model_dir, revision=demo.revision)
-    data = p.data if p.data.inputs else p.data.model_copy(update={"inputs": [demo.data_path]})
+    data = p.data if p.data.inputs else dataclasses.replace(p.data, inputs=[demo.data_path])
     return p.model_copy(update={"target": target, "data": data})
 
 

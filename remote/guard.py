@@ -15,6 +15,12 @@ the command leaves behind when it ends by itself (a crashed step's engine) are e
 exits with the command's status (a command ended by a signal ends the guard by the same signal),
 so exit codes mean what docs/CONVENTIONS.md says, with or without the guard in between.
 
+A lost network or a crashed controller machine closes nothing on the host: TCP may take many minutes
+to give up. So a controller that sets EAGLET_HEARTBEAT_S (SSHHost does, and sends a byte down
+the channel that often) is taken for lost once stdin stays silent for LOST_AFTER_BEATS heartbeats,
+and the step is ended as above: within LOST_AFTER_BEATS x EAGLET_HEARTBEAT_S + GRACE_S + 1 s of the
+last heartbeat that arrived (34 s for SSHHost's 10 s).
+
 The guard leads a process group of its own (LocalHost starts it so; elsewhere it makes one), so it
 never signals a process it did not start. `timeout -k 5` (SSH) and LocalHost's timeout signal the
 guard itself; it passes that on, and its grace (4 s) ends before theirs. Linux only (it reads /proc).
@@ -22,6 +28,7 @@ guard itself; it passes that on, and its grace (4 s) ends before theirs. Linux o
 from __future__ import annotations
 
 import os
+import select
 import signal
 import stat
 import subprocess
@@ -31,6 +38,8 @@ import time
 
 GRACE_S = 4.0  # after SIGTERM, seconds until the group's survivors get SIGKILL: under the 5 s the guard gets
 ENDING_SIGNALS = (signal.SIGHUP, signal.SIGTERM, signal.SIGINT)
+HEARTBEAT_ENV = "EAGLET_HEARTBEAT_S"  # set by a controller that writes a byte to stdin this often (seconds)
+LOST_AFTER_BEATS = 3  # heartbeats missed in a row before the controller counts as lost
 
 
 def group_members(pgid: int) -> list[int]:
@@ -65,18 +74,20 @@ def _watches_stdin() -> bool:
     return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
 
 
-def _wait_for_eof(ending: threading.Event, wake: threading.Event) -> None:
+def _watch_controller(ending: threading.Event, wake: threading.Event, lost_after_s: float | None) -> None:
+    """Set `ending` at end of file on stdin or, when heartbeats are due, after lost_after_s without one."""
     try:
-        while os.read(0, 1 << 12):
-            pass  # the controller never writes; anything that comes is ignored
+        while select.select([0], [], [], lost_after_s)[0] and os.read(0, 1 << 12):
+            pass  # a heartbeat (the controller writes nothing else; anything that comes is ignored)
     except OSError:
         pass
     ending.set()
     wake.set()
 
 
-def run(argv: list[str], grace_s: float = GRACE_S) -> int:
-    """Run argv until it ends, or end it when the session does; returns its exit status."""
+def run(argv: list[str], grace_s: float = GRACE_S, lost_after_s: float | None = None) -> int:
+    """Run argv until it ends, or end it when the session does (or goes silent for lost_after_s when
+    given); returns its exit status."""
     wake = threading.Event()
     ending = threading.Event()
 
@@ -91,7 +102,7 @@ def run(argv: list[str], grace_s: float = GRACE_S) -> int:
     child = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
     threading.Thread(target=lambda: (child.wait(), wake.set()), daemon=True).start()
     if _watches_stdin():
-        threading.Thread(target=_wait_for_eof, args=(ending, wake), daemon=True).start()
+        threading.Thread(target=_watch_controller, args=(ending, wake, lost_after_s), daemon=True).start()
     while not wake.wait(1.0):  # a timeout, so signal handlers run promptly on every Python
         pass
     # Ending, or the command ended and left processes behind (an engine whose parent crashed): end them all.
@@ -109,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     if not argv:
         print("usage: python -m remote.guard PROGRAM [ARG...]", file=sys.stderr)
         return 64  # EX_USAGE
-    code = run(argv)
+    heartbeat = os.environ.pop(HEARTBEAT_ENV, None)  # the guard's own setting: the command does not inherit it
+    code = run(argv, lost_after_s=LOST_AFTER_BEATS * float(heartbeat) if heartbeat else None)
     if code < 0:  # end the way the command ended, so the caller sees the same signal
         sys.stdout.flush()
         if -code != signal.SIGKILL:

@@ -28,6 +28,7 @@ EVENT_PREFIX = "@@eaglet "
 EXIT_OK = 0
 EXIT_BAD_INPUT = 65  # sysexits EX_DATAERR: the input is wrong; retrying cannot help
 MANIFEST = "manifest.json"
+STAGED_CONFIG = ".config.json"  # in <out_dir>.partial: the config a resumable step's staged work belongs to
 
 # The steps of the pipeline and the module each runs as (remote/ is grouped by stage). A name not
 # listed here is `remote.<name>` itself (test-only steps shipped beside the package).
@@ -144,8 +145,16 @@ class StepOutput:
         return None
 
     def open(self) -> Path:
+        """The staging folder, made; it records the config it is staged for (a resumed run checks it)."""
         self.staging.mkdir(parents=True, exist_ok=True)
+        if not (self.staging / STAGED_CONFIG).exists():
+            write_json_atomic(self.staging / STAGED_CONFIG, self.config)
         return self.staging
+
+    def staged_config(self) -> dict | None:
+        """The config a staging folder left by an unfinished run was staged for (None: none recorded)."""
+        p = self.staging / STAGED_CONFIG
+        return json.loads(p.read_text()) if p.is_file() else None
 
     def publish(self, counts: dict | None = None, figures: dict | None = None, **extra: Any) -> dict:
         """Checksum every staged file, write the manifest last, rename the folder into place."""
@@ -165,6 +174,7 @@ class StepOutput:
             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             **extra,
         }
+        (self.staging / STAGED_CONFIG).unlink(missing_ok=True)  # the manifest holds it now
         write_json_atomic(self.staging / MANIFEST, manifest)
         if self.final.exists():  # an older, unverifiable result: replace it whole
             old = self.final.with_name(self.final.name + f".old-{os.getpid()}")
@@ -204,21 +214,64 @@ def load_config(cls: type[T], data: dict, where: str = "config") -> T:
         raise BadInput(f"{where}: {e}") from e
 
 
-def begin_step(cls: type[T], raw: dict, step: str,
-               summary: Callable[[dict], str] | None = None) -> tuple[T, StepOutput, dict | None]:
-    """A step's first lines: its config (load_config), its output folder, and the manifest of an
-    earlier run that finished (logged, with `summary(manifest)` when given), else None.
+def begin_step(cls: type[T], raw: dict, step: str, summary: Callable[[dict], str] | None = None, *,
+               resumes: bool = False, on_change: str = "refuse",
+               valid: Callable[[dict], bool] | None = None) -> tuple[T, StepOutput, dict | None]:
+    """Every step's first lines: its config (load_config), its output folder, and the manifest of an
+    earlier run that finished with the same config (logged, with `summary(manifest)`), else None.
 
         cfg, out, done = begin_step(VocabConfig, raw, STEP)
         if done is not None:
             return done
+
+    A finished out_dir made with another config is refused by name (BadInput), never served;
+    on_change="redo" (a cache keyed by its config) makes it again instead. `valid(manifest)` says
+    whether a finished output still holds (capture: its shards are still in the cache). A staging
+    folder left by a killed run is removed, unless the step `resumes` from it (train's
+    checkpoints): then it must have been staged for this same config.
     """
     cfg = load_config(cls, raw, where=f"{step} config")
-    out = StepOutput(cfg.out_dir, step, dataclasses.asdict(cfg))
+    if not cfg.out_dir:
+        raise BadInput(f"{step} config: out_dir: expected the step's folder, got an empty path")
+    config = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))  # as the manifest holds it
+    out = StepOutput(cfg.out_dir, step, config)
     done = out.done()
+    if done is not None and done.get("config") != config:
+        if on_change != "redo":
+            raise BadInput(f"{step}: {cfg.out_dir} was finished with another config ({config_changes(done.get('config') or {}, config)}): "
+                           "give the run another run_name, or delete that folder to make it again")
+        done = None
+    if done is not None and valid is not None and not valid(done):
+        done = None
     if done is not None:
         log(f"{step}: {cfg.out_dir} is already done" + (f" ({summary(done)})" if summary else ""))
+    elif resumes:
+        _check_staged(out, step)
+    elif out.staging.exists():
+        log(f"{step}: removing {out.staging}, left by a run that did not finish")
+        _rmtree(out.staging)
     return cfg, out, done
+
+
+def _check_staged(out: StepOutput, step: str) -> None:
+    staged = out.staged_config()
+    if staged is not None and staged != out.config:
+        raise BadInput(f"{step}: {out.staging} holds an unfinished run of another config ({config_changes(staged, out.config)}): "
+                       "run it again with that config to resume it, or delete that folder to start afresh")
+
+
+def config_changes(old: dict, new: dict, most: int = 6) -> str:
+    """What differs between two configs, key by key: 'lr 0.0003 there, 0.001 now; ...'."""
+    keys = sorted(k for k in set(old) | set(new) if old.get(k, _ABSENT) != new.get(k, _ABSENT))
+    shown = [f"{k} {_value(old, k)} there, {_value(new, k)} now" for k in keys[:most]]
+    return "; ".join(shown) + (f"; and {len(keys) - most} more" if len(keys) > most else "")
+
+
+_ABSENT = object()
+
+
+def _value(config: dict, key: str) -> str:
+    return json.dumps(config[key], default=str) if key in config else "absent"
 
 
 def step_main(name: str, run: Callable[[dict], dict | None], argv: list[str] | None = None) -> int:

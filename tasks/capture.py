@@ -13,13 +13,17 @@ samples (ctx.part of ctx.parts, tasks/multihost.py), mapped over the hosts by th
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from dataclasses import asdict
+from typing import Optional
 
 from prefect import get_run_logger
 from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel
 
+from remote.capture.config import CaptureConfig, CaptureOptions, PatchWorkerConfig, PatchWorkerOptions
+from remote.config import TargetOptions, pick
 from tasks.context import RunContext, step_task
+from tasks.prepare import PreparedData
 
 PATCH_TIMEOUT_S = 1800  # a 1T-parameter model built on the meta device takes minutes, not hours
 CAPTURE_TIMEOUT_S = 24 * 3600  # the long step: ~10k conversations take minutes; millions take many hours
@@ -52,23 +56,18 @@ class CapturedStates(BaseModel):
     figures: dict
 
 
-def _shared(target: Any, capture: Any) -> dict:
-    return {"target": target.model, "tensor_parallel_size": capture.tensor_parallel_size,
-            "layer_ids": capture.layer_ids, "gpu_memory_utilization": capture.gpu_memory_utilization,
-            "trust_remote_code": bool(getattr(target, "trust_remote_code", False))}
+def patch_config(out_dir: str, target: TargetOptions, capture: PatchWorkerOptions) -> dict:
+    """The remote config of remote.capture.patch_worker (checked here): the worker's part of the capture options."""
+    return asdict(PatchWorkerConfig(**pick(PatchWorkerOptions, capture), target=target.model, out_dir=out_dir,
+                                    trust_remote_code=target.trust_remote_code))
 
 
-def patch_config(out_dir: str, target: Any, capture: Any) -> dict:
-    """The remote config of remote.capture.patch_worker from the flow's TargetParams and CaptureParams."""
-    return {**_shared(target, capture), "out_dir": out_dir}
-
-
-def capture_config(ctx: RunContext, dataset: Any, target: Any, capture: Any) -> dict:
-    """The remote config of remote.capture.capture from the flow's parameters and the prepared dataset."""
-    return {**_shared(target, capture), "dataset": dataset.path, "out_dir": ctx.step_dir("capture"),
-            "cache_root": ctx.cache_root, "target_revision": target.revision, "backend": capture.backend,
-            "samples_per_shard": capture.samples_per_shard, "max_num_seqs": capture.max_num_seqs,
-            "host_part": ctx.part, "host_parts": ctx.parts}
+def capture_config(ctx: RunContext, dataset: PreparedData, target: TargetOptions, capture: CaptureOptions) -> dict:
+    """The remote config of remote.capture.capture (checked here) from the flow's options and the prepared dataset."""
+    return asdict(CaptureConfig(**pick(CaptureOptions, capture), dataset=dataset.path, target=target.model,
+                                out_dir=ctx.step_dir("capture"), cache_root=ctx.cache_root,
+                                target_revision=target.revision, trust_remote_code=target.trust_remote_code,
+                                host_part=ctx.part, host_parts=ctx.parts))
 
 
 def figures_table(manifest: dict) -> list[dict]:
@@ -84,7 +83,7 @@ def figures_table(manifest: dict) -> list[dict]:
 
 
 @step_task(name="patch-worker")
-def patch_worker(ctx: RunContext, target: Any, capture: Any) -> Optional[WorkerReady]:
+def patch_worker(ctx: RunContext, target: TargetOptions, capture: CaptureOptions) -> Optional[WorkerReady]:
     """Check the host's vLLM, the capture extension and the target's layers, and the free devices."""
     if capture.backend != "vllm":
         get_run_logger().info("capture backend %s: no vLLM worker to patch", capture.backend)
@@ -99,7 +98,8 @@ def patch_worker(ctx: RunContext, target: Any, capture: Any) -> Optional[WorkerR
 
 
 @step_task(name="capture-hidden-states")
-def capture_hidden_states(ctx: RunContext, target: Any, dataset: Any, capture: Any) -> CapturedStates:
+def capture_hidden_states(ctx: RunContext, target: TargetOptions, dataset: PreparedData,
+                          capture: CaptureOptions) -> CapturedStates:
     """Capture the target's hidden states on the prepared data (a retry resumes at the first missing shard)."""
     m = ctx.run_step("capture", capture_config(ctx, dataset, target, capture), timeout=CAPTURE_TIMEOUT_S,
                      title="Capturing hidden states")

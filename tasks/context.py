@@ -11,7 +11,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
 from tasks.errors import retry_condition
-from tasks.hosts import HostParams, open_host
+from tasks.host import HostParams, open_host
 from tasks.remote_step import run_step_in_task
 from tasks.ship import ShippedCode
 

@@ -17,19 +17,20 @@ import json
 import posixpath
 from typing import Any
 
+from dataclasses import asdict
+
 from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from pydantic import BaseModel
 
+from remote.config import TargetOptions, pick
+from remote.evaluate.config import EvaluateConfig, EvaluateOptions
 from tasks.context import RunContext, step_task
-from tasks.hosts import open_host
+from tasks.host import open_host
 from tasks.promote import CurrentDraft, read_current_draft
 
 EVAL_TIMEOUT_S = 3 * 3600  # a TP=8 target starts once per arm (minutes each); generation is bounded by max_seconds
 REPORT_KEY, TABLE_KEY = "draft-evaluation", "acceptance-per-position"
-# EvalParams fields that tune the online run beyond the basic four; a missing one keeps OnlineConfig's default.
-_ONLINE_TUNING = ("baseline", "ngram", "max_seconds", "max_num_seqs", "tensor_parallel_size", "gpu_memory_utilization",
-                  "dtype")
 
 
 class EvalReport(BaseModel):
@@ -41,19 +42,16 @@ class EvalReport(BaseModel):
 
 
 def evaluate_config(ctx: RunContext, target_dir: str, draft_dir: str, data_path: str, capture_dir: str,
-                    params: Any, previous_dir: str = "") -> dict:
-    """The remote config of remote.evaluate.evaluate from the flow's EvalParams."""
-    online = {"prompts": params.prompts, "max_tokens": params.max_tokens, "temperature": params.temperature,
-              "previous_draft_dir": previous_dir}
-    online.update({k: getattr(params, k) for k in _ONLINE_TUNING if hasattr(params, k)})
-    return {"target": target_dir, "draft_dir": draft_dir, "data": data_path, "capture_dir": capture_dir,
-            "out_dir": ctx.step_dir("evaluate"), "num_speculative_tokens": params.num_speculative_tokens,
-            "run_online": bool(params.online), "online": online}
+                    params: EvaluateOptions, previous_dir: str = "") -> dict:
+    """The remote config of remote.evaluate.evaluate (checked here) from the flow's evaluation options."""
+    return asdict(EvaluateConfig(**pick(EvaluateOptions, params), target=target_dir, draft_dir=draft_dir,
+                                 data=data_path, capture_dir=capture_dir, out_dir=ctx.step_dir("evaluate"),
+                                 previous_draft_dir=previous_dir))
 
 
 @step_task(name="evaluate-draft")
-def evaluate_draft(ctx: RunContext, target: Any, draft: Any, dataset: Any, captured: Any, params: Any,
-                   compare_previous: bool = True) -> EvalReport:
+def evaluate_draft(ctx: RunContext, target: TargetOptions, draft: Any, dataset: Any, captured: Any,
+                   params: EvaluateOptions, compare_previous: bool = True) -> EvalReport:
     """Offline and online acceptance of the exported draft; a report and a table in the UI."""
     logger = get_run_logger()
     previous = _previous_draft(ctx) if compare_previous else None

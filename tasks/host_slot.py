@@ -19,7 +19,7 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
-from tasks.hosts import HostParams, open_host
+from tasks.host import HostParams, open_host
 
 PREFIX = "gpu-host:"
 LEASE_S = 300  # seconds a slot outlives a run that stopped renewing it (killed, lost its network)

@@ -27,7 +27,7 @@ from remote.data.prepare import host_of  # noqa: F401 - the one split, shared wi
 from remote.step import MANIFEST, sha256_file
 from tasks.context import RunContext, step_task
 from tasks.errors import BadInputError, RemoteFault
-from tasks.hosts import Host, HostParams, open_host
+from tasks.host import Host, HostParams, open_host
 
 DEFAULT_RDZV_PORT = 29400  # torchrun's c10d rendezvous port on node 0
 COPY_TIMEOUT_S = 600  # sha256sum / mv of a step folder on a host
@@ -51,7 +51,7 @@ def rendezvous(hosts: list[HostParams], port: int = DEFAULT_RDZV_PORT, address: 
     """
     if not hosts:
         raise BadInputError("no hosts to train on")
-    names = [h.name or h.hostname for h in hosts]
+    names = [h.display_name for h in hosts]
     if len(set(names)) != len(names):
         raise BadInputError(f"hosts must be distinct; got {names}")
     if len(hosts) > 1 and any(h.kind == "local" for h in hosts):
@@ -66,7 +66,7 @@ def rendezvous(hosts: list[HostParams], port: int = DEFAULT_RDZV_PORT, address: 
 
 def same_data(datasets: list[Any], hosts: list[HostParams]) -> Any:
     """Node 0's prepared dataset, once every host's is the same (same inputs, same tokenizer)."""
-    prints = {h.name or h.hostname: d.fingerprint for h, d in zip(hosts, datasets)}
+    prints = {h.display_name: d.fingerprint for h, d in zip(hosts, datasets)}
     if len(set(prints.values())) > 1:
         raise BadInputError(f"the hosts prepared different data (fingerprints {prints}): data.inputs and "
                             "target.model must hold the same files on every host")
@@ -119,5 +119,5 @@ def copy_vocab(ctx: RunContext, node0: RunContext, vocab: Any) -> Any:
     with open_host(node0.host) as src, open_host(ctx.host) as dst:
         moved = copy_step_dir(src, vocab.path, dst, dst_dir)
     get_run_logger().info("draft vocabulary %s -> %s:%s (%d bytes through the controller)",
-                          vocab.path, ctx.host.name or ctx.host.hostname, dst_dir, moved)
+                          vocab.path, ctx.host.display_name, dst_dir, moved)
     return vocab.model_copy(update={"path": dst_dir})

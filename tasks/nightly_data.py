@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import json
 import posixpath
+from dataclasses import asdict
 
 from prefect import get_run_logger
 from pydantic import BaseModel
 
+from remote.data.config import DataDeltaConfig
 from remote.data.delta import EMPTY_STATE, STATE, next_state
 from tasks.context import RunContext, step_task
-from tasks.hosts import open_host
+from tasks.host import open_host
 
 STEP_TIMEOUT_S = 3600  # hashing a few million conversations
 
@@ -40,8 +42,8 @@ def state_dir(root: str, nightly: str) -> str:
 @step_task(name="find-new-data")
 def find_new_data(ctx: RunContext, inputs: list[str], *, nightly: str, heldout_permille: int) -> DataDelta:
     folder = state_dir(ctx.root, nightly)
-    config = {"inputs": list(inputs), "state_dir": folder, "heldout_permille": heldout_permille,
-              "out_dir": posixpath.join(folder, "nights", ctx.run_name)}
+    config = asdict(DataDeltaConfig(inputs=list(inputs), state_dir=folder, heldout_permille=heldout_permille,
+                                    out_dir=posixpath.join(folder, "nights", ctx.run_name)))
     m = ctx.run_step("data_delta", config, timeout=STEP_TIMEOUT_S, title="find new data")
     c = m["counts"]
     get_run_logger().info("%d new conversations of %d in the source (%d seen by earlier nights)",

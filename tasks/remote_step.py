@@ -23,7 +23,7 @@ from typing import Callable
 
 from remote.step import EVENT_PREFIX, EXIT_BAD_INPUT, MANIFEST, step_module
 from tasks.errors import BadInputError, CommandTimedOut, RemoteFault
-from tasks.hosts import CommandResult, Host
+from tasks.host import CommandResult, Host
 from tasks.ship import ShippedCode
 
 _STEP_NAME = re.compile(r"[a-z_][a-z0-9_]*\Z")

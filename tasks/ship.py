@@ -6,12 +6,15 @@
 The folder's name is the sha256 of its SHA256SUMS file (one `<sha256>  remote/<path>` line a file),
 so the name vouches for every file. A folder already there is checked with `sha256sum -c` on the
 host and left alone when whole; otherwise the package travels as one tarball into a staging folder,
-is verified there and renamed into place, so `<root>/code/<sha>` is never half-written.
+is verified there and renamed into place, so `<root>/code/<sha>` is never half-written. What a failed
+transfer put there (`code/.<sha>.<random>*`) is removed at once when the host can still be reached,
+else by the next upload to that root, once nothing has written it for STALE_MIN minutes.
 """
 from __future__ import annotations
 
 import hashlib
 import io
+import logging
 import posixpath
 import tarfile
 import tempfile
@@ -24,20 +27,25 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
-from tasks.errors import BadInputError, RemoteFault, retry_condition
-from tasks.hosts import Host, HostParams, open_host
+from tasks.errors import BadInputError, EagletError, RemoteFault, retry_condition
+from tasks.host import Host, HostParams, open_host
 
 REMOTE_SRC = Path(__file__).resolve().parents[1] / "remote"
 PACKAGE = "remote"  # the shipped folder's name on the host, whatever the source folder is called
 SUMS = "SHA256SUMS"
+STALE_MIN = 10  # a staging leftover untouched this long is a failed transfer's (a live one writes it)
+log = logging.getLogger("eaglet.ship")
 
-# Run as `sh INSTALL TARBALL STAGING FINAL` (a file, never a command string, so any login shell
-# works). The trap removes the staging folder, the tarball and itself however it ends; after the
-# last `mv` the staging folder no longer exists, so the finished copy is never touched.
+# Run as `sh INSTALL TARBALL STAGING FINAL STALE_MIN` (a file, never a command string, so any login
+# shell works). The trap removes the staging folder, the tarball and itself however it ends; after the
+# last `mv` the staging folder no longer exists, so the finished copy is never touched. First it removes
+# what earlier transfers that failed left beside it (dot names untouched for STALE_MIN minutes).
 _INSTALL_SH = """\
 set -eu
-tarball=$1 staging=$2 final=$3
+tarball=$1 staging=$2 final=$3 stale_min=$4
 trap 'rm -rf -- "$staging" "$staging.old" "$tarball" "$0"' EXIT
+find "${final%/*}" -maxdepth 1 -name '.*' -mmin "+$stale_min" -exec rm -rf -- {} + ||
+  echo "could not remove every stale leftover in ${final%/*}" >&2  # not this install's failure
 mkdir -- "$staging"
 tar --no-same-owner -xzf "$tarball" -C "$staging"
 cd -- "$staging"
@@ -112,15 +120,31 @@ def is_shipped(host: Host, folder: str, sums: str) -> bool:
 def _upload(host: Host, files: list[tuple[str, Path]], sums: str, final: str) -> None:
     staging = posixpath.join(posixpath.dirname(final), f".{posixpath.basename(final)}.{uuid.uuid4().hex[:8]}")
     host.makedirs(posixpath.dirname(final))
-    with tempfile.TemporaryDirectory(prefix="eaglet-ship-") as tmp:
-        tarball = Path(tmp) / "code.tar.gz"
-        _write_tarball(tarball, files, sums)
-        host.put(tarball, staging + ".tar.gz")
-    host.write_text(staging + ".sh", _INSTALL_SH)
-    r = host.run(["sh", staging + ".sh", staging + ".tar.gz", staging, final])
+    try:
+        with tempfile.TemporaryDirectory(prefix="eaglet-ship-") as tmp:
+            tarball = Path(tmp) / "code.tar.gz"
+            _write_tarball(tarball, files, sums)
+            host.put(tarball, staging + ".tar.gz")
+        host.write_text(staging + ".sh", _INSTALL_SH)
+        r = host.run(["sh", staging + ".sh", staging + ".tar.gz", staging, final, str(STALE_MIN)])
+    except Exception:
+        _remove_leftovers(host, staging)
+        raise
     if r.exit_code != 0:  # a transfer gone wrong is worth another try: RemoteFault is transient
         raise RemoteFault(f"{host.name}: installing code {posixpath.basename(final)[:12]} failed "
                           f"(exit {r.exit_code}): " + "\n".join(r.stderr_tail[-10:] + r.stdout_tail[-10:]))
+
+
+def _remove_leftovers(host: Host, staging: str) -> None:
+    """Remove what this failed transfer put on the host (`<staging>*`: the part of the tarball, the
+    script and its temporary); when the host cannot be reached now, the next upload does (STALE_MIN)."""
+    folder, name = posixpath.split(staging)
+    try:
+        host.run(["find", folder, "-maxdepth", "1", "-name", name + "*", "-exec", "rm", "-rf", "--", "{}", "+"],
+                 timeout=60)
+    except EagletError as e:  # the transfer's own error is the one to raise
+        log.warning("%s: could not remove %s* after a failed transfer (%s); the next upload will", host.name,
+                    staging, e)
 
 
 def _write_tarball(path: Path, files: list[tuple[str, Path]], sums: str) -> None:

@@ -13,14 +13,19 @@ for each host of a run over several; the flow maps it over them). Its loss curve
 """
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import asdict
 
 from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel
 
+from remote.config import TargetOptions, pick
+from remote.train.config import ExportConfig, TrainConfig, TrainOptions, VocabConfig, VocabOptions
+from tasks.capture import CapturedStates
 from tasks.context import RunContext, step_task
 from tasks.evaluate import markdown_image, svg_line
+from tasks.multihost import NodeLaunch
+from tasks.prepare import PreparedData
 
 VOCAB_TIMEOUT_S = 3600  # a pass over data.parquet: minutes for millions of samples
 TRAIN_TIMEOUT_S = 48 * 3600  # a Kimi-K2.5 draft on a large capture trains for many hours
@@ -44,27 +49,24 @@ class ExportedDraft(BaseModel):
     figures: dict
 
 
-def vocab_config(out_dir: str, target: Any, dataset: Any, params: Any) -> dict:
-    return {"data": dataset.out_dir, "target": target.model, "draft_vocab_size": params.draft_vocab_size,
-            "out_dir": out_dir}
+def vocab_config(out_dir: str, target: TargetOptions, dataset: PreparedData, params: VocabOptions) -> dict:
+    return asdict(VocabConfig(**pick(VocabOptions, params), data=dataset.out_dir, target=target.model, out_dir=out_dir))
 
 
-def train_config(out_dir: str, target: Any, captured: Any, vocab: DraftVocabInfo, params: Any,
-                 node: Any = None) -> dict:
-    """remote.train.train's config from the flow's TrainParams; `node` (a tasks.multihost.NodeLaunch of a
-    run over several hosts) adds where this host joins torchrun's rendezvous."""
-    cfg = {"capture_dir": captured.path, "vocab_dir": vocab.path, "target": target.model, "out_dir": out_dir,
-           "ttt_steps": params.ttt_steps, "epochs": params.epochs, "lr": params.lr,
-           "token_budget": params.batch_tokens, "nproc_per_node": params.nproc_per_node,
-           "checkpoint_every": params.checkpoint_every, "warm_start": params.warm_start}
+def train_config(out_dir: str, target: TargetOptions, captured: CapturedStates, vocab: DraftVocabInfo,
+                 params: TrainOptions, node: NodeLaunch | None = None) -> dict:
+    """remote.train.train's config (checked here) from the flow's train options; `node` (of a run over
+    several hosts) adds where this host joins torchrun's rendezvous."""
+    wiring = {}
     if node is not None and node.nnodes > 1:
-        cfg.update(nnodes=node.nnodes, node_rank=node.node_rank, rdzv_endpoint=node.rdzv_endpoint,
-                   local_addr=node.local_addr)
-    return cfg
+        wiring = dict(nnodes=node.nnodes, node_rank=node.node_rank, rdzv_endpoint=node.rdzv_endpoint,
+                      local_addr=node.local_addr)
+    return asdict(TrainConfig(**pick(TrainOptions, params), capture_dir=captured.path, vocab_dir=vocab.path,
+                              target=target.model, out_dir=out_dir, **wiring))
 
 
 def export_config(out_dir: str, trained: TrainedDraft, vocab: DraftVocabInfo) -> dict:
-    return {"train_dir": trained.path, "vocab_dir": vocab.path, "out_dir": out_dir}
+    return asdict(ExportConfig(train_dir=trained.path, vocab_dir=vocab.path, out_dir=out_dir))
 
 
 def loss_curve_markdown(points: list[list[float]], figures: dict) -> str:
@@ -83,7 +85,7 @@ def loss_curve_markdown(points: list[list[float]], figures: dict) -> str:
 
 
 @step_task(name="build-vocab")
-def build_vocab(ctx: RunContext, target: Any, dataset: Any, params: Any) -> DraftVocabInfo:
+def build_vocab(ctx: RunContext, target: TargetOptions, dataset: PreparedData, params: VocabOptions) -> DraftVocabInfo:
     out_dir = ctx.step_dir("vocab")
     m = ctx.run_step("vocab", vocab_config(out_dir, target, dataset, params), timeout=VOCAB_TIMEOUT_S,
                      title="Draft vocabulary")
@@ -97,8 +99,8 @@ def build_vocab(ctx: RunContext, target: Any, dataset: Any, params: Any) -> Draf
 
 
 @step_task(name="train-draft")
-def train_draft(ctx: RunContext, target: Any, captured: Any, vocab: DraftVocabInfo, params: Any,
-                node: Any = None) -> TrainedDraft:
+def train_draft(ctx: RunContext, target: TargetOptions, captured: CapturedStates, vocab: DraftVocabInfo,
+                params: TrainOptions, node: NodeLaunch | None = None) -> TrainedDraft:
     """Train on this host; in a run over several hosts, this host's node of the torchrun job (the
     flow starts every node at once; the draft is written on node 0)."""
     out_dir = ctx.step_dir("train")
@@ -113,8 +115,8 @@ def train_draft(ctx: RunContext, target: Any, captured: Any, vocab: DraftVocabIn
 
 
 @step_task(name="export-draft")
-def export_draft(ctx: RunContext, target: Any, captured: Any, vocab: DraftVocabInfo, trained: TrainedDraft,
-                 dataset: Any) -> ExportedDraft:
+def export_draft(ctx: RunContext, target: TargetOptions, captured: CapturedStates, vocab: DraftVocabInfo,
+                 trained: TrainedDraft, dataset: PreparedData) -> ExportedDraft:
     out_dir = ctx.step_dir("export")
     m = ctx.run_step("export", export_config(out_dir, trained, vocab), timeout=EXPORT_TIMEOUT_S, title="Export")
     get_run_logger().info("exported the draft for vLLM (eagle3) to %s (target %s, data %s)", out_dir, target.model,

@@ -1,5 +1,6 @@
-"""remote.step.begin_step, the first lines of the vocab, export, data_delta and promote steps: the
-config checked by name, the output folder, an earlier finished run found (and said in the log)."""
+"""remote.step.begin_step, the first lines of every step: the config checked by name, the output
+folder, an earlier finished run found (and said in the log). tests/test_finished_step.py runs each
+step against a finished folder of another config."""
 from dataclasses import dataclass
 
 import pytest
@@ -19,6 +20,8 @@ def test_begin_step_finds_only_a_finished_run(tmp_path, capsys):
     assert cfg == Cfg(str(tmp_path / "out"), 4) and done is None and out.config == raw
     (out.open() / "a.txt").write_text("a")
     assert begin_step(Cfg, raw, "demo")[2] is None  # staged, not published: not done
+    assert not out.staging.exists(), "a step that does not resume starts again from nothing"
+    (out.open() / "a.txt").write_text("a")
     published = out.publish(counts={"a": 1})
     capsys.readouterr()
     _, _, done = begin_step(Cfg, raw, "demo", summary=lambda m: f"{m['counts']['a']} a")

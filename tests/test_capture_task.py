@@ -26,7 +26,7 @@ def test_the_capture_task_on_a_local_host(prefect_harness, tmp_path):
     from tasks.capture import capture_hidden_states
     from tasks.context import RunContext
     from tasks.errors import BadInputError
-    from tasks.hosts import HostParams, open_host
+    from tasks.host import HostParams, open_host
     from tasks.prepare import PreparedData
     from tasks.ship import ship_code
 

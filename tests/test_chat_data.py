@@ -9,6 +9,7 @@ import pytest
 
 from remote.data import chat_data as cd
 from remote.step import BadInput
+from tests.fixtures.limits import deadline
 
 GOOD_SHAREGPT = {"id": "a", "conversations": [{"from": "human", "value": "hello"}, {"from": "gpt", "value": "hi there"}]}
 GOOD_OPENAI = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"},
@@ -218,3 +219,57 @@ def test_a_hub_name_without_a_network_fails_clearly():
     # No network here (HF_HUB_OFFLINE=1 in conftest): the hub path can only be checked failing.
     with pytest.raises(BadInput, match="hub:someone/some-chats: cannot load the dataset 'someone/some-chats'"):
         read("hub:someone/some-chats")
+
+
+# ----------------------------------------------------------------------------- odd files (issue 15)
+@pytest.mark.parametrize("name", ["bom.jsonl", "bom.json"])
+def test_a_byte_order_mark_at_the_start_is_not_text(tmp_path, name):
+    f = tmp_path / name
+    body = json.dumps([GOOD_SHAREGPT, GOOD_OPENAI]) if name.endswith(".json") else \
+        json.dumps(GOOD_SHAREGPT) + "\n" + json.dumps(GOOD_OPENAI) + "\n"
+    f.write_bytes(b"\xef\xbb\xbf" + body.encode())
+    convs, report = read(f)
+    assert len(convs) == 2 and report.rows == 2 and not report.bad
+
+
+def test_several_json_values_in_one_json_file_are_all_read(tmp_path):
+    f = tmp_path / "many.json"
+    f.write_text(json.dumps([GOOD_SHAREGPT]) + json.dumps([GOOD_OPENAI, {"x": 1}]) + "\n"
+                 + json.dumps(sharegpt(("human", "third"), ("gpt", "yes"))) + "\n[]\n")
+    convs, report = read(f)
+    assert [c.turns[0][1] for c in convs] == ["hello", "be brief", "third"]
+    assert report.rows == 4 and report.bad == {cd.NOT_A_CONVERSATION: 1}
+    assert [c.where for c in convs] == [f"{f}:1", f"{f}:1", f"{f}:2"]
+
+
+DEEP = "[" * 5000 + "]" * 5000
+
+
+@pytest.mark.parametrize("form", ["jsonl", "json array", "json values"])
+def test_a_row_too_deep_or_unencodable_is_one_counted_bad_row(tmp_path, form):
+    surrogate = '{"conversations": [{"from": "human", "value": "half \\ud800 a pair"}, {"from": "gpt", "value": "a"}]}'
+    deep = '{"conversations": [{"from": "human", "value": %s}]}' % DEEP
+    # a number Python refuses to convert (over 4300 digits) in a field nobody reads: still a good row
+    huge_id = '{"id": %s, "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "big"}]}' % ("1" * 5000)
+    rows = [json.dumps(GOOD_SHAREGPT), deep, surrogate, DEEP, huge_id, json.dumps(GOOD_OPENAI)]
+    f = tmp_path / ("d.jsonl" if form == "jsonl" else "d.json")
+    f.write_text("[" + ",\n".join(rows) + "]" if form == "json array" else "\n".join(rows))
+    convs, report = read(f)
+    assert [c.turns[-1][1] for c in convs] == ["hi there", "big", "4"] and report.rows == 6
+    assert report.bad == {cd.TOO_DEEP: 2, cd.INVALID_UNICODE: 1}
+    assert [e["where"] for e in report.examples] == [f"{f}:2", f"{f}:3", f"{f}:4"]
+
+
+def test_links_back_up_the_tree_are_not_followed_and_each_file_is_read_once(tmp_path):
+    d = tmp_path / "data"
+    (d / "sub").mkdir(parents=True)
+    write_jsonl(d / "a.jsonl", [GOOD_SHAREGPT])
+    write_jsonl(d / "sub" / "b.jsonl", [GOOD_OPENAI])
+    (d / "sub" / "up").symlink_to("..")  # two loops: without a guard the walk grows without end
+    (d / "sub" / "root").symlink_to(d)
+    (d / "same.jsonl").symlink_to("a.jsonl")  # the same real file under another name
+    with deadline(20):
+        convs, report = read(d, d / "sub" / "b.jsonl")  # b given again, directly
+    assert [c.where for c in convs] == [f"{d / 'a.jsonl'}:1", f"{d / 'sub' / 'b.jsonl'}:1"]
+    assert report.files == 2 and report.rows == 2
+    assert report.notes["links_to_files_or_folders_already_read"] == 4

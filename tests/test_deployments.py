@@ -38,7 +38,7 @@ def test_presets_are_valid_parameters():
 
 
 def test_multi_host_preset_plans_a_rendezvous():
-    from tasks.hosts import HostParams
+    from tasks.host import HostParams
     from tasks.multihost import host_of, rendezvous
 
     preset = json.loads((REPO / "deployments" / "multi-host.json").read_text())

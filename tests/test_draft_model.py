@@ -29,9 +29,9 @@ def _batch(lengths, seed=0):
     )
 
 
-def _setup(seed=0):
+def _setup(seed=0, cfg=CFG):
     torch.manual_seed(seed)
-    draft = EagleDraft(CFG)
+    draft = EagleDraft(cfg)
     for p in draft.parameters():  # norms away from 1 so a missing norm would show
         if p.ndim == 1:
             p.data = 1 + 0.3 * torch.randn_like(p)
@@ -59,16 +59,23 @@ def _rope_complex(x, pos):
 
 
 def _reference_states(draft, b):
-    """Per TTT step: the pre-norm output state, by the dense-mask definition of TTT attention."""
+    """Per TTT step: the pre-norm output state, by the dense-mask definition of TTT attention and
+    the draft options as vLLM's llama_eagle3.py applies them (see remote/draft/model.py)."""
     sd = dict(draft.named_parameters())  # parameters, not state_dict() copies: the gradients flow
-    m = "midlayer."
+    c, m = draft.cfg, "midlayer."
     t = len(b.input_ids)
-    hidden = b.aux @ sd["fc.weight"].T
+    aux = b.aux
+    if c.norm_before_fc:
+        aux = _rms(aux, sd["input_norm.weight"])
+    if c.fc_norm:
+        aux = torch.cat([_rms(a, sd[f"fc_norm.{i}.weight"]) for i, a in enumerate(aux.chunk(c.n_aux, -1))], -1)
+    hidden = aux @ sd["fc.weight"].T
     keys, values, outs = [], [], []
     for k in range(K):
         ids = torch.tensor([b.input_ids[min(i + 1 + k, t - 1)] for i in range(t)])
         emb = sd["embed_tokens.weight"][ids]
-        x = torch.cat([_rms(emb, sd[m + "input_layernorm.weight"]), _rms(hidden, sd[m + "hidden_norm.weight"])], -1)
+        normed = _rms(hidden, sd[m + "hidden_norm.weight"])
+        x = torch.cat([_rms(emb, sd[m + "input_layernorm.weight"]), normed], -1)
         pos = b.positions + k
         q = _rope_complex((x @ sd[m + "self_attn.q_proj.weight"].T).view(t, CFG.num_heads, -1), pos)
         keys.append(_rope_complex((x @ sd[m + "self_attn.k_proj.weight"].T).view(t, CFG.num_kv_heads, -1), pos))
@@ -88,11 +95,13 @@ def _reference_states(draft, b):
             scores = q[:, h] @ kk[:, h // group].T / math.sqrt(CFG.head_dim)
             scores = scores.masked_fill(~allowed, float("-inf"))
             out[:, h] = torch.softmax(scores, -1) @ vv[:, h // group]
-        h1 = out.reshape(t, -1) @ sd[m + "self_attn.o_proj.weight"].T + hidden
+        h1 = out.reshape(t, -1) @ sd[m + "self_attn.o_proj.weight"].T + (normed if c.norm_before_residual else hidden)
         y = _rms(h1, sd[m + "post_attention_layernorm.weight"])
         mlp = (torch.nn.functional.silu(y @ sd[m + "mlp.gate_proj.weight"].T) * (y @ sd[m + "mlp.up_proj.weight"].T))
         hidden = mlp @ sd[m + "mlp.down_proj.weight"].T + h1
         outs.append(hidden)
+        if c.norm_output:  # the next step reads the final-normed state
+            hidden = _rms(hidden, sd["norm.weight"])
     return outs
 
 
@@ -140,8 +149,15 @@ def test_states_match_the_dense_reference():
                 assert err < 1e-4, f"{backend} step {k}: max abs diff {err}"
 
 
-def test_loss_and_gradients_match_the_reference():
-    draft, head, parts = _setup(seed=3)
+# The draft options (tests/test_draft_options.py has each alone): speculators' three, and fc_norm's variant.
+OPTION_SETS = {"none": {}, "speculators": {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True},
+               "fc_norm": {"fc_norm": True, "norm_before_residual": True, "norm_output": True}}
+
+
+@pytest.mark.parametrize("options", list(OPTION_SETS))
+def test_loss_and_gradients_match_the_reference(options):
+    """Through TTTObjective, which calls draft.fc and draft.step: the options need nothing of the loss."""
+    draft, head, parts = _setup(seed=3, cfg=DraftConfig(**{**CFG.to_dict(), **OPTION_SETS[options]}))
     b = _batch([12, 7, 10], seed=3)
     tgt = head.targets(b, K)
     assert 0 < int(tgt.counts.min()) and int(tgt.counts.max()) < len(b.input_ids)  # some dropped, some kept
@@ -158,6 +174,9 @@ def test_loss_and_gradients_match_the_reference():
             rel = (grads[n] - p.grad).norm() / p.grad.norm().clamp(min=1e-12)
             assert rel < 1e-4, f"gradient of {n} differs by {rel:.2e} (relative)"
     assert "embed_tokens.weight" not in grads  # the target's embedding stays frozen
+    norms = [n for n in grads if n.startswith(("input_norm.", "fc_norm."))]  # the options' own norms learn
+    assert len(norms) == {"none": 0, "speculators": 1, "fc_norm": 3}[options]
+    assert all(grads[n].abs().sum() > 0 for n in norms)
     assert stats.shape == (K, 3) and torch.equal(stats[:, 2], tgt.counts)
 
 

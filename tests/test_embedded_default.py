@@ -114,7 +114,7 @@ def test_the_task_runs_the_step_on_a_host(prefect_harness, smollm2, tmp_path):
     from prefect import flow
 
     from tasks.context import RunContext
-    from tasks.hosts import HostParams, open_host
+    from tasks.host import HostParams, open_host
     from tasks.prepare import EmbeddedDefault, embedded_default
     from tasks.ship import ship_code
 

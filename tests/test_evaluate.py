@@ -110,7 +110,7 @@ def evaluated(world, prefect_harness):
     from remote.evaluate import promote
     from tasks.context import RunContext
     from tasks.evaluate import evaluate_draft
-    from tasks.hosts import HostParams, open_host
+    from tasks.host import HostParams, open_host
     from tasks.prepare import PreparedData
     from tasks.ship import ship_code
     from tasks.train import ExportedDraft
@@ -122,14 +122,12 @@ def evaluated(world, prefect_harness):
     promote.run({"out_dir": str(world.dir / "promote"), "drafts_root": str(root / "drafts"),
                  "candidate_dir": str(world.random), "name": "random-draft", "figures": {"acceptance_length": 1.05}})
 
-    class TunedEvalParams(EvalParams):  # tuning fields the task passes on when the parameters have them
-        dtype: str = "float32"  # vLLM's CPU default is bf16; float32 keeps the target's greedy text = the data's
-        max_num_seqs: int = BATCH
-
     ctx = RunContext(host=host, code=code, run_name="eval-test")
     dataset = PreparedData(path=str(world.data), out_dir=str(world.data.parent), fingerprint="f" * 64, samples=0,
                            train=N_TRAIN, heldout=N_HELDOUT, tokens=0, loss_tokens=0)
-    params = TunedEvalParams(num_speculative_tokens=K, prompts=PROMPTS, max_tokens=NEW_TOKENS, temperature=0.8)
+    # dtype: vLLM's CPU default is bf16; float32 keeps the target's greedy text = the data's
+    params = EvalParams(num_speculative_tokens=K, prompts=PROMPTS, max_tokens=NEW_TOKENS, temperature=0.8,
+                        dtype="float32", max_num_seqs=BATCH)
 
     @flow(name="evaluate-test")
     def evaluate_flow():
@@ -309,8 +307,8 @@ def test_unknown_online_keys_and_missing_heldout_prompts_are_bad_input(world, tm
 
     base = {"target": str(world.target), "draft_dir": str(world.draft), "data": str(world.data),
             "out_dir": str(tmp_path / "e")}
-    with pytest.raises(BadInput, match=r"online: unknown key\(s\) \['promts'\]"):
-        run({**base, "online": {"promts": 3}})
+    with pytest.raises(BadInput, match=r"unknown key\(s\) \['promts'\]"):  # the online keys are the config's own
+        run({**base, "promts": 3})
     import pyarrow.parquet as pq
 
     t = pq.read_table(world.data)

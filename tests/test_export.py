@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from remote.train.export import WEIGHTS
+from remote.train.export import OPTIONS, draft_config_from_export, draft_weight_names
 from remote.train.export import main as export_main
 from remote.step import EXIT_BAD_INPUT
 from remote.train.train import main as train_main
@@ -79,16 +79,46 @@ def test_folder_has_what_vllm_reads(target, exported):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]  # the capture's, top level
+    assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 2, 4]}  # SGLang's numbering: HF - 1
+    assert cfg["num_aux_hidden_states"] == 3 and not any(cfg[o] for o in OPTIONS)  # today's draft: no option on
     n = cfg["draft_vocab_size"]  # 256 asked; fewer when the generations use fewer distinct tokens
     assert 0 < n <= 256 and cfg["vocab_size"] == 512 and cfg["target_hidden_size"] == 128
     w = load_file(str(out / "model.safetensors"))
-    assert set(w) == set(WEIGHTS) | {"d2t", "t2d"} and not any("embed_tokens" in k for k in w)
+    weights = draft_weight_names(draft_config_from_export(cfg))  # no options: fc, midlayer.*, norm, lm_head
+    assert len(weights) == 13 and not any(k.startswith(("input_norm", "fc_norm")) for k in weights)
+    assert set(w) == set(weights) | {"d2t", "t2d"} and not any("embed_tokens" in k for k in w)
     assert w["midlayer.self_attn.q_proj.weight"].shape == (128, 256)  # q/k/v read [embedding, state]: 2H
     assert w["fc.weight"].shape == (128, 384) and w["lm_head.weight"].shape == (n, 128)
     assert w["d2t"].dtype == torch.int64 and w["t2d"].dtype == torch.bool and int(w["t2d"].sum()) == n
     assert torch.equal(torch.arange(n) + w["d2t"], w["t2d"].nonzero().squeeze(1))
     card = (out / "README.md").read_text()
     assert "test-192" in card and str(target) in card  # data fingerprint and target on the model card
+    assert f"vllm serve {target} --speculative-config" in card and "--speculative-algorithm EAGLE3" in card
+
+
+def test_ids_sglang_cannot_express_are_refused_by_name_unless_exported_for_vllm_only(exported, tmp_path, capsys):
+    """The trained draft relabelled as taken from the last layer's output (HF 6 of 6): vLLM captures it,
+    SGLang never does (it captures layer inputs)."""
+    train = tmp_path / "train"
+    shutil.copytree(exported / "train", train)
+    dcfg = json.loads((train / "draft_config.json").read_text())
+    assert dcfg["target_layers"] == 6 and dcfg["target_model_type"] == "llama"  # recorded from the target
+    (train / "draft_config.json").write_text(json.dumps({**dcfg, "aux_layer_ids": [1, 3, 6]}))
+    both = {"train_dir": str(train), "vocab_dir": str(exported / "vocab"), "out_dir": str(tmp_path / "both"),
+            "engines": ["vllm", "sglang"]}
+    assert export_main(["--config", _write(tmp_path / "both.json", both)]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "aux layer ids [6]" in err and "SGLang" in err and "engines ['vllm']" in err
+    assert not (tmp_path / "both").exists()  # nothing half-written
+    vllm_only = {**both, "out_dir": str(tmp_path / "vllm"), "engines": ["vllm"]}
+    assert export_main(["--config", _write(tmp_path / "vllm.json", vllm_only)]) == 0
+    cfg = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 6] and "eagle_config" not in cfg
+    assert "Not for SGLang" in (tmp_path / "vllm" / "README.md").read_text()
+    auto = {**both, "out_dir": str(tmp_path / "auto"), "engines": []}  # the default: vLLM, SGLang where it can
+    assert export_main(["--config", _write(tmp_path / "auto.json", auto)]) == 0
+    assert "export for vLLM only: aux layer ids [6]" in capsys.readouterr().out
+    assert json.loads((tmp_path / "auto" / "config.json").read_text()) == cfg
 
 
 def test_export_refuses_a_vocab_it_was_not_trained_with(exported, tmp_path, capsys):

@@ -12,7 +12,7 @@ import pytest
 
 from flows.params import TrainDraftParams
 from flows.train_draft import train_draft
-from tasks.hosts import open_host
+from tasks.host import open_host
 from tests.fixtures.tiny_run import tiny_params, write_chats
 
 pytestmark = [pytest.mark.ssh, pytest.mark.vllm, pytest.mark.slow]

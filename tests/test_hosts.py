@@ -10,14 +10,19 @@ from pathlib import Path
 import pytest
 
 from tasks.errors import CommandTimedOut, HostKeyRefused, HostUnreachable, LoginRefused, is_transient
-from tasks.hosts import HostParams, LocalHost, open_host
-from tasks.ssh_host import SSHHost, fingerprint, remote_command
+from tasks.host import HostParams, LocalHost, open_host
+from tasks.host.ssh import SSHHost, fingerprint, remote_command
 from tests.fixtures.sshd import make_key
 from tests.remote_steps import HERE as PROBES
 
 # Everything a shell could act on: separators, substitutions, quotes, globs, blanks, an option.
 EVIL = ["; rm -rf x", "$(touch pwned)", "`touch pwned2`", "it's \"quoted\"", "a  b\tc", "*", "~", "$HOME",
-        "", "-n", "two\nlines", "&& touch pwned3 #", "héllo wörld"]
+        "", "-n", "two\nlines", "&& touch pwned3 #", "héllo wörld",
+        # what zsh expands beyond bash and dash: `=cmd` (its path), `==`, `k==cmd` (magic_equal_subst),
+        # `^x` (extended_glob), `''` (rc_quotes); and history `!`, comments, globs, tildes, options
+        "=sh", "==", "=", "k==sh", "--opt==sh", "~root", "~/x", "x=~", "-", "--", "-rf", "!!", "a!b", "!$",
+        "^x", "x^y", "#c", "a#b", "*.py", "[ab]", "?", "**/*", "{a,b}", "x*(N)", "a''b", "'", "\\", "\n",
+        "ends with newline\n", "\nstarts with newline", "tab\there", "%1", "+x", "a:b,c@d"]
 
 
 @pytest.fixture
@@ -42,17 +47,25 @@ def _echo(host, args, **kw) -> list[str]:
     return json.loads(r.stdout_tail[-1])
 
 
-@pytest.mark.parametrize("shell", ["bash", "zsh", "sh"])
+# Each shell as a login shell may run it, with the options a user's start-up files commonly set.
+SHELLS = ["bash", "bash -O extglob -O globstar -o histexpand", "dash", "sh", "zsh",
+          "zsh -o extendedglob -o magicequalsubst -o rcquotes -o globsubst"]
+
+
+@pytest.mark.parametrize("shell", SHELLS)
 def test_remote_command_keeps_every_word_in_each_shell(shell, tmp_path):
     """The command line SSHHost sends, run by a real bash, zsh and dash, as sshd would run it."""
     cwd = tmp_path / "a dir with spaces"
     (cwd / "x").mkdir(parents=True)
-    line = remote_command(["python3", str(PROBES / "echo_argv.py"), *EVIL], cwd=str(cwd),
-                          env={"EAGLET_X": "v $(touch pwned4)"})
-    out = subprocess.run([shell, "-c", line], capture_output=True, text=True, timeout=20)
+    (cwd / "a.py").write_text("")  # something for a glob to match
+    env = {"EAGLET_X": "v $(touch pwned4)", "EAGLET_Z": "=sh", "EAGLET_T": "~"}
+    line = remote_command(["python3", str(PROBES / "echo_argv.py"), *EVIL], cwd=str(cwd), env=env)
+    out = subprocess.run([*shell.split(), "-c", line], capture_output=True, text=True, timeout=20)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == EVIL
     assert (cwd / "x").is_dir() and not any(cwd.glob("pwned*"))
+    printed = subprocess.run([*shell.split(), "-c", remote_command(["env"], env=env)], capture_output=True, text=True)
+    assert {f"{k}={v}" for k, v in env.items()} <= set(printed.stdout.splitlines())
 
 
 def test_remote_command_refuses_what_it_cannot_quote():
@@ -62,6 +75,8 @@ def test_remote_command_refuses_what_it_cannot_quote():
         remote_command("rm -rf /")
     with pytest.raises(ValueError, match="shell identifiers"):
         HostParams(env={"X;Y": "1"})
+    with pytest.raises(ValueError, match="NUL"):
+        remote_command(["echo", "a\0b"])
 
 
 def test_arguments_reach_the_program_unchanged_and_run_nothing(host):
@@ -149,6 +164,32 @@ def test_changed_host_key_is_refused_even_when_trusting(sshd, tmp_path):
 
 
 @pytest.mark.ssh
+@pytest.mark.parametrize("shell", ["bash", "zsh", "dash"])
+def test_the_printed_host_key_commands_work_with_odd_paths(sshd, tmp_path, shell):
+    """The fix each message prints, pasted into a shell as it is, with a known_hosts path a shell would split."""
+    known = tmp_path / "keys of $USER's" / "known hosts *"
+    known.parent.mkdir()
+    entry = f"[{sshd.listen}]:{sshd.port}"
+    with pytest.raises(HostKeyRefused) as e:
+        open_host(sshd.params(known_hosts=str(known))).connect()
+    assert str(e.value).startswith(f"host key of {entry} is unknown:") and "(port" not in str(e.value)
+    subprocess.run([shell, "-c", _printed_command(e.value, "ssh-keyscan")], check=True, timeout=30)
+    with open_host(sshd.params(known_hosts=str(known))) as h:  # the scanned key is trusted now
+        h.connect()
+
+    known.write_text(sshd.known_hosts_entry(make_key(tmp_path / "other_host_key")))
+    with pytest.raises(HostKeyRefused) as e:
+        open_host(sshd.params(known_hosts=str(known))).connect()
+    assert str(e.value).startswith(f"host key of {entry} CHANGED:")
+    subprocess.run([shell, "-c", _printed_command(e.value, "ssh-keygen -R")], check=True, capture_output=True, timeout=30)
+    assert sshd.listen not in known.read_text()  # the old key is gone
+
+
+def _printed_command(error: Exception, start: str) -> str:
+    return next(c for c in str(error).split("`")[1::2] if c.startswith(start))
+
+
+@pytest.mark.ssh
 def test_login_and_connection_faults_are_told_apart(sshd, tmp_path):
     make_key(tmp_path / "stranger")
     with pytest.raises(LoginRefused) as e:
@@ -202,6 +243,44 @@ def test_host_settings_from_a_block_and_the_key_from_secret_blocks(sshd, prefect
         open_host(params.model_copy(update={"passphrase_secret": None})).connect()
     with pytest.raises(BadInputError, match="no-such-block"):
         HostParams.from_block("no-such-block")
+
+
+def _damaged(key_text: str):
+    """The ways a pasted key arrives broken: the body cut short (footer kept or lost), a character changed."""
+    head, *body_lines, foot = key_text.strip().splitlines()
+    body = "".join(body_lines)
+    for cut in range(0, len(body), 4):
+        yield f"{head}\n{body[:cut]}\n{foot}\n"
+        yield f"{head}\n{body[:cut]}\n"
+    for i in range(0, len(body), 7):
+        yield f"{head}\n{body[:i]}{'A' if body[i] != 'A' else 'B'}{body[i + 1:]}\n{foot}\n"
+
+
+@pytest.mark.parametrize("kind", ["ed25519", "ecdsa"])
+def test_a_damaged_key_is_bad_input_naming_its_block(kind, tmp_path):
+    """paramiko fails on some truncations with IndexError (and AssertionError, ValueError...)."""
+    from tasks.errors import BadInputError
+    from tasks.host.ssh import _parse_private_key
+
+    subprocess.run(["ssh-keygen", "-q", "-t", kind, "-N", "", "-f", str(tmp_path / "k")], check=True)
+    for text in _damaged((tmp_path / "k").read_text()):
+        try:
+            _parse_private_key(text, None, "gpu1-key")
+        except BadInputError as e:
+            assert "Secret block 'gpu1-key'" in str(e) and "truncated" in str(e) and not is_transient(e)
+
+
+@pytest.mark.ssh
+def test_a_truncated_key_in_a_secret_block_fails_at_connect_naming_the_block(sshd, prefect_harness, tmp_path):
+    from prefect.blocks.system import Secret
+
+    from tasks.errors import BadInputError
+
+    head, *body, foot = sshd.client_key.read_text().strip().splitlines()
+    Secret(value=f"{head}\n{''.join(body)[:48]}\n{foot}\n").save("eaglet-test-cut-key", overwrite=True)
+    with pytest.raises(BadInputError, match="Secret block 'eaglet-test-cut-key'.*truncated") as e:
+        open_host(sshd.params(key_filename=None, key_secret="eaglet-test-cut-key")).connect()
+    assert not is_transient(e.value)
 
 
 def test_local_defaults():

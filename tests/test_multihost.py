@@ -24,7 +24,7 @@ import pytest
 
 from flows.params import TrainDraftParams
 from flows.train_draft import train_draft
-from tasks.hosts import open_host
+from tasks.host import open_host
 from tasks.multihost import host_of
 from tests.fixtures.sshd import SSHD, delete_netns, make_netns, start_sshd
 from tests.fixtures.tiny_run import REPO, tiny_params, write_chats
@@ -140,7 +140,7 @@ def test_training_flow_over_two_hosts(prefect_harness, two_hosts, tiny_llama, tm
 def test_copy_step_dir_checks_both_ends_and_skips_what_is_there(sshd, tmp_path):
     from remote.step import StepOutput
     from tasks.errors import RemoteFault
-    from tasks.hosts import HostParams
+    from tasks.host import HostParams
     from tasks.multihost import copy_step_dir
 
     src_dir, dst_dir = tmp_path / "a" / "vocab", tmp_path / "b" / "vocab"

@@ -191,7 +191,7 @@ def test_host_slot_queues_runs_on_one_host_and_is_reentrant(prefect_api):
     from prefect import flow
 
     from tasks.host_slot import host_slot, slot_name
-    from tasks.hosts import HostParams
+    from tasks.host import HostParams
 
     host = HostParams(kind="ssh", hostname="10.200.9.9", name="slot-test")
     held: dict[str, tuple[float, float, float]] = {}
@@ -426,7 +426,7 @@ def test_a_nightly_preset_with_extra_hosts_is_refused_before_anything_runs(prefe
     """The training flow takes several hosts; the nightly's new-data files live on one, so it says so."""
     from flows.nightly import nightly_retrain
     from tasks.errors import BadInputError
-    from tasks.hosts import HostParams
+    from tasks.host import HostParams
 
     other = HostParams(kind="ssh", name="gpu-b", hostname="gpu-b.invalid", root=str(tmp_path / "b"))
     with pytest.raises(BadInputError, match="runs on one host; extra_hosts .* 1 extra"):

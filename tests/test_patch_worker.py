@@ -38,7 +38,7 @@ def test_the_task_patches_the_tiny_kimi_on_a_local_host(prefect_harness, tiny_ki
     from tasks.capture import patch_worker
     from tasks.context import RunContext
     from tasks.errors import BadInputError
-    from tasks.hosts import HostParams, open_host
+    from tasks.host import HostParams, open_host
     from tasks.ship import ship_code
 
     params = HostParams(root=str(tmp_path / "root"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -319,7 +320,7 @@ def test_the_task_prepares_on_a_host_and_shows_the_counts(prefect_harness, tmp_p
     from flows.params import DataParams, TargetParams
     from tasks.context import RunContext
     from tasks.errors import BadInputError
-    from tasks.hosts import HostParams, open_host
+    from tasks.host import HostParams, open_host
     from tasks.prepare import prepare_data
     from tasks.ship import ship_code
 
@@ -347,6 +348,10 @@ def test_the_task_prepares_on_a_host_and_shows_the_counts(prefect_harness, tmp_p
     assert rows["loss tokens (by the assistant)"] == manifest["counts"]["loss_tokens"]
     assert sum(v for k, v in rows.items() if k.startswith("length ")) == 2
 
+    refused = prep([str(tmp_path / "gone.jsonl")], return_state=True)  # r1/prepare is finished, with other inputs
+    with pytest.raises(BadInputError, match=r"finished with another config \(inputs .*c\.jsonl.* there"):
+        refused.result()
+    shutil.rmtree(ctx.step_dir("prepare"))  # what the message says to do
     failed = prep([str(tmp_path / "gone.jsonl")], return_state=True)  # bad input: fails at once
     with pytest.raises(BadInputError, match="gone.jsonl does not exist"):
         failed.result()

@@ -15,7 +15,7 @@ from prefect.cache_policies import NO_CACHE
 
 from remote.step import EVENT_PREFIX
 from tasks.errors import BadInputError, CommandTimedOut, RemoteFault, retry_condition
-from tasks.hosts import HostParams, open_host
+from tasks.host import HostParams, open_host
 from tasks.remote_step import config_path, run_remote_step, run_step_in_task
 from tasks.ship import ship_code
 from tests.remote_steps import probe_src  # noqa: F401 (a fixture)

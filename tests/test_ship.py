@@ -2,14 +2,18 @@
 Real hosts: a LocalHost, root over the loopback sshd, a zsh user, a host in a network namespace."""
 from __future__ import annotations
 
+import os
 import posixpath
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
-from tasks.errors import BadInputError
+from tasks.errors import BadInputError, HostUnreachable
 from tasks.remote_step import run_remote_step
-from tasks.ship import (REMOTE_SRC, SUMS, code_hash, is_shipped, package_files, ship_code, ship_code_task,
-                        sums_text)
+from tasks.ship import (REMOTE_SRC, STALE_MIN, SUMS, code_hash, is_shipped, package_files, ship_code,
+                        ship_code_task, sums_text)
 from tests.remote_steps import package_with_probes, probe_src  # noqa: F401 (probe_src is a fixture)
 
 
@@ -77,7 +81,7 @@ def test_a_corrupted_copy_is_detected_and_replaced(each_host, probe_src):
 
 @pytest.mark.ssh
 def test_ship_and_run_a_step_as_a_zsh_user_in_a_root_with_a_space(sshd, zsh_user, probe_src):
-    from tasks.hosts import open_host
+    from tasks.host import open_host
 
     with open_host(sshd.params(user=zsh_user.name, root=zsh_user.root, python="/usr/bin/python3")) as h:
         code = ship_code(h, probe_src)
@@ -91,7 +95,7 @@ def test_ship_and_run_a_step_as_a_zsh_user_in_a_root_with_a_space(sshd, zsh_user
 
 @pytest.mark.ssh
 def test_ship_to_the_second_host(netns_sshd, probe_src):
-    from tasks.hosts import open_host
+    from tasks.host import open_host
 
     with open_host(netns_sshd.params(root=str(netns_sshd.dir / "root"))) as h:
         assert ship_code(h, probe_src).bytes_sent > 0
@@ -110,3 +114,54 @@ def test_ship_code_task_opens_the_host_from_its_settings(prefect_harness, sshd, 
 
     first, second = ship_twice()
     assert first.bytes_sent > 0 and second.bytes_sent == 0 and first.path == second.path
+
+
+def _ship_dropped_mid_upload(server, host, tmp_path: Path, stop: bool) -> Path:
+    """Ship a big package and, once its tarball is part-way up, drop the connection (the sshd's
+    sessions) or stop the sshd too; the ship must fail as unreachable. Returns the code folder."""
+    code_dir = Path(host.path("code"))
+    host.makedirs(str(code_dir))
+    pkg = package_with_probes(tmp_path / "pkg")
+    (pkg / "blob.bin").write_bytes(os.urandom(32 << 20))  # incompressible: the upload takes a while
+
+    def drop():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if any(p.stat().st_size > 1 << 20 for p in code_dir.glob(".*.tar.gz")):
+                server.stop() if stop else server.drop_sessions()
+                return
+            time.sleep(0.005)
+
+    saboteur = threading.Thread(target=drop, daemon=True)
+    saboteur.start()
+    with pytest.raises(HostUnreachable):
+        ship_code(host, pkg)
+    saboteur.join(10)
+    return code_dir
+
+
+@pytest.mark.ssh
+def test_a_transfer_dropped_half_way_leaves_nothing_on_the_host(own_sshd, tmp_path):
+    from tasks.host import open_host
+
+    with open_host(own_sshd.params(root=str(own_sshd.dir / "root"))) as h:
+        code_dir = _ship_dropped_mid_upload(own_sshd, h, tmp_path, stop=False)
+        assert os.listdir(code_dir) == []  # the part-uploaded tarball went at once
+
+
+@pytest.mark.ssh
+def test_leftovers_the_controller_could_not_remove_go_with_the_next_upload(own_sshd, tmp_path, probe_src):
+    from tasks.host import open_host
+
+    with open_host(own_sshd.params(root=str(own_sshd.dir / "root"))) as h:
+        code_dir = _ship_dropped_mid_upload(own_sshd, h, tmp_path, stop=True)
+        own_sshd.start()
+        leftover = list(code_dir.iterdir())
+        assert [p.suffix for p in leftover] == [".gz"]  # the host was down: nothing could remove it
+        recent = ship_code(h, probe_src)
+        assert leftover[0].exists(), "a fresh leftover may be a live upload: kept"
+        stale = time.time() - (STALE_MIN + 1) * 60
+        os.utime(leftover[0], (stale, stale))
+        h.run(["rm", "-rf", "--", recent.path])  # so the next ship uploads (and sweeps)
+        ship_code(h, probe_src)
+        assert os.listdir(code_dir) == [recent.sha]

@@ -1,7 +1,8 @@
 """A step ends when its controller goes away (remote.guard): on a real sshd and on the local host, a
 step that never ends by itself (tests/remote_steps/hang_step.py: a child ignoring SIGTERM, and a
 grandchild) is started through run_remote_step; the connection is closed, or the controller process
-is SIGKILLed; every process of the step must be gone within the guard's grace plus a few seconds.
+is SIGKILLed, or the network to the host is cut (its heartbeats stop); every process of the step must
+be gone within the guard's grace plus a few seconds (plus the heartbeat silence for a cut network).
 The guard keeps exit codes as they are.
 
 This module is also the controller of those runs: `python -m tests.test_step_guard PARAMS SRC PID_FILE`.
@@ -21,11 +22,13 @@ from pathlib import Path
 
 import pytest
 
-from remote.guard import GRACE_S
+from remote.guard import GRACE_S, HEARTBEAT_ENV, LOST_AFTER_BEATS
 from tasks.errors import CommandTimedOut, HostUnreachable
-from tasks.hosts import HostParams, open_host
+from tasks.host import HostParams, open_host
+from tasks.host.ssh import LOST_AFTER_S
 from tasks.remote_step import run_remote_step
 from tasks.ship import ship_code
+from tests.fixtures.sshd import SSHD, delete_netns, make_netns, start_sshd
 from tests.remote_steps import package_with_probes
 
 REPO = Path(__file__).resolve().parent.parent
@@ -137,6 +140,58 @@ def test_a_step_past_its_timeout_is_ended_whole(each_host, hang_src, step_pids):
     runner.join(30)
     assert len(errors) == 1 and isinstance(errors[0], CommandTimedOut), errors
     assert_all_end(pids, within=2)  # the timeout ended the command: nothing of it is left
+
+
+@pytest.mark.ssh
+def test_a_lost_network_ends_the_step_within_the_bound(hang_src, step_pids, tmp_path):
+    """The link to a host in its own network namespace is cut while a step runs: nothing reaches the host
+    any more and nothing closes there, as when the controller's machine crashes. The step's process tree
+    must end within LOST_AFTER_S + GRACE_S (+1 s to notice; more on a loaded machine) all the same, and the
+    controller's run fail as unreachable."""
+    pid_file, wait = step_pids
+    if not Path(SSHD).exists():
+        pytest.skip(f"{SSHD} missing: apt-get install -y openssh-server")
+    try:
+        ns = make_netns(f"lc{os.getpid() % 100000}")
+    except (subprocess.CalledProcessError, FileNotFoundError) as e:
+        pytest.skip(f"cannot make a network namespace ({getattr(e, 'stderr', '') or e}); needs root and iproute2")
+    try:
+        server = start_sshd(tmp_path / "sshd", listen=ns.addr, port=22, netns=ns.name)
+        host = open_host(server.params(root=str(tmp_path / "root")))
+        errors: list[Exception] = []
+        runner = threading.Thread(target=lambda: _catch(errors, start_hang_step, host, hang_src, str(pid_file)),
+                                  daemon=True)
+        runner.start()
+        pids = wait()
+        subprocess.run(["ip", "link", "set", ns.link, "down"], check=True)
+        cut = time.monotonic()
+        gone = assert_all_end(pids, within=LOST_AFTER_S + GONE_WITHIN_S)
+        runner.join(LOST_AFTER_S + 15)
+        failed = time.monotonic() - cut
+        assert not runner.is_alive() and len(errors) == 1 and isinstance(errors[0], HostUnreachable), errors
+        print(f"network cut: the step's processes were gone after {gone:.1f} s (bound "
+              f"{LOST_AFTER_S + GRACE_S + 1:g} s); the controller's run failed as unreachable after {failed:.1f} s")
+    finally:
+        server.stop()
+        delete_netns(ns)
+
+
+def test_heartbeats_keep_a_step_and_their_silence_ends_it():
+    """Without the network: a pipe that stays open but goes silent, as a cut link does over SSH."""
+    beat = 0.5
+    command = ["sh", "-c", f'echo "${{{HEARTBEAT_ENV}-unset}}"; exec sleep 300']
+    guard = subprocess.Popen([sys.executable, "-m", "remote.guard", *command], cwd=REPO, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, env={**os.environ, HEARTBEAT_ENV: str(beat)})
+    for _ in range(8):  # 4 s of heartbeats: longer than the silence that ends the step
+        guard.stdin.write(b"\n")
+        guard.stdin.flush()
+        time.sleep(beat)
+    assert guard.poll() is None, "a step whose controller sends heartbeats was ended"
+    silent = time.monotonic()
+    assert guard.wait(LOST_AFTER_BEATS * beat + GRACE_S + 2) == -signal.SIGTERM
+    assert time.monotonic() - silent >= (LOST_AFTER_BEATS - 1) * beat
+    assert guard.stdout.read() == b"unset\n"  # the guard's setting is not the command's
+    guard.stdin.close()
 
 
 def _catch(errors: list, fn, *args, **kwargs) -> None:

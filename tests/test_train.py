@@ -4,6 +4,7 @@ streamed events, bad input. Hidden states are real: the tiny Llama's own, taken 
 capture store's own write_shard."""
 import base64
 import json
+import math
 import os
 import re
 import signal
@@ -25,8 +26,9 @@ LAYER_IDS = (1, 3, 5)  # HF hidden-state indices of the 6-layer tiny Llama
 
 # ----------------------------------------------------------------------------- helpers (test_export uses them)
 def hf_capture(model_dir: Path, seqs: list[list[int]], masks: list[list[int]], out_dir: Path,
-               layer_ids=LAYER_IDS, per_shard: int = 16, nan_in: str | None = None) -> Path:
-    """A finished capture folder: shards of the target's aux and last (pre-norm) states, manifest."""
+               layer_ids=LAYER_IDS, per_shard: int = 16, nan_in: str | None = None, heldout: int = 0) -> Path:
+    """A finished capture folder: shards of the target's aux and last (pre-norm) states, manifest.
+    The last `heldout` samples are in the held-out split, the others in the train split."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -40,7 +42,8 @@ def hf_capture(model_dir: Path, seqs: list[list[int]], masks: list[list[int]], o
             aux = torch.cat([hs[j][0] for j in layer_ids], -1)
             if nan_in == f"s{i}":
                 aux[len(ids) // 2, 0] = float("nan")
-            samples.append(Sample(f"s{i}", "train", torch.tensor(ids, dtype=torch.int32),
+            split = "heldout" if i >= len(seqs) - heldout else "train"
+            samples.append(Sample(f"s{i}", split, torch.tensor(ids, dtype=torch.int32),
                                   torch.tensor(mask, dtype=torch.uint8), aux, last["h"][0].clone()))
     shards = []
     for n, a in enumerate(range(0, len(samples), per_shard)):
@@ -196,16 +199,18 @@ def test_task_configs_and_loss_artifact():
     """The Prefect tasks' pure parts: the remote config they build, the loss-curve markdown."""
     from types import SimpleNamespace
 
+    from flows.params import TrainParams
     from remote.step import load_config
     from remote.train.train import TrainConfig
     from tasks.train import DraftVocabInfo, loss_curve_markdown, train_config
 
-    params = SimpleNamespace(ttt_steps=7, epochs=1.5, lr=3e-4, batch_tokens=4096, nproc_per_node=8,
-                             checkpoint_every=200, warm_start="")
+    params = TrainParams(ttt_steps=7, epochs=1.5, lr=3e-4, token_budget=4096, nproc_per_node=8,
+                         checkpoint_every=200, warm_start="", optimizer="adamw", eval_every=10, patience=3)
     cfg = train_config("/r/train", SimpleNamespace(model="/m"), SimpleNamespace(path="/r/capture"),
                        DraftVocabInfo(path="/r/vocab", draft_vocab_size=10, coverage=0.9), params)
     t = load_config(TrainConfig, cfg)  # every key is one remote.train.train knows
-    assert (t.nproc_per_node, t.token_budget, t.epochs, t.target) == (8, 4096, 1.5, "/m")
+    assert (t.nproc_per_node, t.token_budget, t.epochs, t.target, t.optimizer) == (8, 4096, 1.5, "/m", "adamw")
+    assert (t.eval_every, t.patience) == (10, 3)
     md = loss_curve_markdown([[1, 3.0], [2, 2.5], [3, 2.0]], {"steps": 3, "final_loss": 2.0, "final_acc": [0.5, 0.25]})
     image = re.search(r"!\[training loss\]\(data:image/svg\+xml;base64,([A-Za-z0-9+/=]+)\)", md)
     assert image, md
@@ -234,7 +239,7 @@ def _trainer(cfg: dict, stage: Path):
     from remote.train.train import TrainConfig, Trainer
     from remote.train.state import Distributed
 
-    stage.mkdir(parents=True)
+    stage.mkdir(parents=True, exist_ok=True)
     return Trainer(load_config(TrainConfig, cfg), Distributed.from_env("cpu"), stage)
 
 
@@ -278,3 +283,139 @@ def test_warm_start_of_another_shape_is_refused_by_name(inputs, current_draft, t
     err = capsys.readouterr().err
     assert "fc.weight (32, 96) (this draft: (64, 192))" in err and "norm.weight (32,) (this draft: (64,))" in err
     assert "hidden size 64" in err and not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------- held-out evaluation, best draft, early stop
+@pytest.fixture(scope="module")
+def one_token(tiny_llama, tmp_path_factory):
+    """A target that always says one token, 32 train and 8 held-out samples: a draft accepts all 3 of 3
+    after a step or two, so what a later, broken draft does to the held-out figure is known."""
+    from transformers import AutoTokenizer
+
+    from tests.fixtures.tiny_run import make_one_token_target
+
+    d = tmp_path_factory.mktemp("one-token")
+    target = make_one_token_target(tiny_llama, d / "target")
+    token = AutoTokenizer.from_pretrained(target).convert_tokens_to_ids("Ġsure")
+    vocab = json.loads((target / "config.json").read_text())["vocab_size"]
+    seqs, masks = random_chats(40, vocab, seed=3)
+    cap = hf_capture(target, seqs, masks, d / "capture", heldout=8)
+    voc = save_vocab(seqs[:32] + [[token] * 50], masks[:32] + [[1] * 50], vocab, 200, d / "vocab")
+    # AdamW's decoupled decay multiplies the weights by 1 - lr * wd a step: past lr * wd = 2 they flip
+    # and grow every step. The warmup takes the lr there at step 15 of 30; the held-out acceptance
+    # length is 4.0 (k = 3) from step 1 until the draft breaks, then 1.0.
+    return {"capture_dir": str(cap), "vocab_dir": str(voc), "ttt_steps": 3, "token_budget": 96, "seed": 1,
+            "device": "cpu", "optimizer": "adamw", "lr": 0.5, "weight_decay": 8.0, "warmup_steps": 30,
+            "max_steps": 30, "checkpoint_every": 1000, "eval_every": 1}
+
+
+def _heldout(out: Path) -> list[tuple[int, float]]:
+    rows = [json.loads(line) for line in (out / "loss.jsonl").read_text().splitlines()]
+    return [(r["step"], r["heldout"]["acceptance_length"]) for r in rows if "heldout" in r]
+
+
+def test_diverging_run_publishes_its_best_draft_not_its_last(one_token, tmp_path):
+    from remote.evaluate.evaluate import EvaluateConfig, measure_offline
+    from remote.train.export import main as export_main
+
+    out = tmp_path / "out"
+    r = run_train({**one_token, "patience": 0, "out_dir": str(out)}, tmp_path / "c.json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    curve = _heldout(out)
+    assert [s for s, _ in curve] == list(range(1, 31))  # every step evaluated, the run not stopped
+    assert curve[0] == (1, 4.0) and curve[-1][1] == 1.0  # learnt at once, broken at the end
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["figures"]["best_step"] == 1 and m["train"]["weights_step"] == 1 and not m["figures"]["stopped_early"]
+    assert m["figures"]["heldout_acceptance_length"] == 4.0
+    assert m["train"]["heldout_points"][0][:2] == [1, 4.0] and len(m["train"]["heldout_points"]) == 30
+    published = load_file(str(out / "model.safetensors"))
+    best = load_file(str(out / "checkpoints" / "best-00000001" / "model.safetensors"))
+    last = load_file(str(out / "checkpoints" / "step-00000030" / "model.safetensors"))
+    assert all(torch.equal(published[k], best[k]) for k in best)
+    assert not torch.equal(published["fc.weight"], last["fc.weight"])
+    # the published draft, exported and measured by the evaluate step's own code, is the good one
+    (tmp_path / "export.json").write_text(json.dumps({"train_dir": str(out), "vocab_dir": one_token["vocab_dir"],
+                                                      "out_dir": str(tmp_path / "draft"), "dtype": "float32"}))
+    assert export_main(["--config", str(tmp_path / "export.json")]) == 0
+    target = json.loads((Path(one_token["capture_dir"]) / "manifest.json").read_text())["capture"]["target"]
+    ev = EvaluateConfig(target=target, draft_dir=str(tmp_path / "draft"), data="", out_dir=str(tmp_path / "ev"),
+                        capture_dir=one_token["capture_dir"], online=False, device="cpu")
+    assert measure_offline(ev, 3)["acceptance_length"] == 4.0
+
+
+def test_no_better_heldout_figure_for_patience_evaluations_stops_the_run(one_token, tmp_path):
+    out = tmp_path / "out"
+    r = run_train({**one_token, "eval_every": 2, "patience": 2, "out_dir": str(out)}, tmp_path / "c.json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    # step 2 reaches 4.0, the most there is: steps 4 and 6 cannot beat it, so the run ends at 6 of 30
+    assert _heldout(out) == [(2, 4.0), (4, 4.0), (6, 4.0)]
+    assert [e["step"] for e in events(r.stdout, "train")] == list(range(1, 7))
+    assert "stopped early at step 6: 2 evaluations without a better held-out acceptance length than step 2's" in r.stdout
+    m = json.loads((out / "manifest.json").read_text())
+    assert (m["counts"]["steps"], m["figures"]["best_step"], m["figures"]["stopped_early"]) == (6, 2, True)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["best-00000002", "step-00000006"]
+    published, best = load_file(str(out / "model.safetensors")), load_file(str(out / "checkpoints" / "best-00000002" / "model.safetensors"))
+    assert all(torch.equal(published[k], best[k]) for k in best)
+
+
+# ----------------------------------------------------------------------------- every option on: exact resume, config check
+EVERY_OPTION = {"optimizer": "muon", "schedule": "cosine", "warmup": 0.3, "min_lr_ratio": 0.1, "step_decay": 0.8,
+                "muon_lr": 2e-3, "weight_decay": 0.05, "betas": [0.8, 0.99], "eval_every": 2, "patience": 10,
+                "grad_accum": 2, "max_steps": 6, "lr": 3e-3, "warmup_steps": 0}
+
+
+@pytest.mark.slow
+def test_killed_run_with_muon_and_every_option_resumes_exactly(one_token, tmp_path):
+    cfg = {**one_token, **EVERY_OPTION, "checkpoint_every": 2}
+    ref = run_train({**cfg, "out_dir": str(tmp_path / "ref")}, tmp_path / "r.json")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    resumed = {**cfg, "out_dir": str(tmp_path / "out")}
+    killed = run_train(resumed, tmp_path / "c.json", kill_after_checkpoint=2)  # after step 4's checkpoint
+    assert killed.returncode == -signal.SIGKILL
+    state = torch.load(tmp_path / "out.partial" / "checkpoints" / "step-00000004" / "optimizer.pt", weights_only=False)
+    assert set(state) == {"adamw", "muon"} and any("momentum_buffer" in s for s in state["muon"]["state"].values())
+    r = run_train(resumed, tmp_path / "c.json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed at step 4" in r.stdout and [e["step"] for e in events(r.stdout, "train")] == [5, 6]
+    rows = lambda out: [json.loads(line) for line in (out / "loss.jsonl").read_text().splitlines()]  # noqa: E731
+    a, b = rows(tmp_path / "ref"), rows(tmp_path / "out")
+    assert [(x["loss"], x["lr"], x.get("heldout")) for x in a] == [(x["loss"], x["lr"], x.get("heldout")) for x in b]
+    assert [x["step"] for x in a if "heldout" in x] == [2, 4, 6]
+    wa, wb = load_file(str(tmp_path / "ref" / "model.safetensors")), load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    ma, mb = (json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("ref", "out"))
+    assert ma["train"]["weights_step"] == mb["train"]["weights_step"]
+
+
+def test_resume_refuses_a_checkpoint_of_another_config_by_name(one_token, tmp_path):
+    from dataclasses import asdict
+
+    from remote.step import BadInput
+
+    cfg = {**one_token, **EVERY_OPTION, "out_dir": str(tmp_path / "out")}
+    stage = tmp_path / "out.partial"
+    first = _trainer(cfg, stage)
+    first.train_step()
+    first.ckpt.save(1, first.draft, first.opt, [], first.dist, asdict(first.cfg))
+    again = _trainer({**cfg, "log_every": 5}, stage)  # a logging change resumes
+    again.resume()
+    assert again.step == 1
+    changed = _trainer({**cfg, "lr": 1e-2, "optimizer": "adamw"}, stage)
+    with pytest.raises(BadInput, match=r"another config \(lr: checkpoint 0.003, now 0.01; optimizer: checkpoint "
+                                       r"'muon', now 'adamw'\)"):
+        changed.resume()
+
+
+def test_the_budget_comes_from_the_data_unless_it_is_set(inputs, tmp_path):
+    """epochs 0: auto_train_tokens' worth of the data, 1 to 10 epochs; train_tokens: that many tokens; the
+    warmup share and the evaluations spread over the steps that gives."""
+    base = {**inputs, "max_steps": 0, "warmup_steps": 0, "out_dir": str(tmp_path / "o")}
+    auto = _trainer(base, tmp_path / "a")  # 25M tokens of a 1k-token set: capped at 10 epochs
+    per_epoch = [len(p) // auto.micro for p in auto.plans]
+    data = sum(min(n, inputs["token_budget"]) for n in auto.index.lengths)
+    assert len(per_epoch) == 10 and auto.total_steps == sum(per_epoch)
+    assert (auto.warmup_steps, auto.eval_every) == (math.ceil(0.01 * auto.total_steps), math.ceil(auto.total_steps / 20))
+    assert _trainer({**base, "auto_train_tokens": 1}, tmp_path / "b").total_steps == per_epoch[0]  # at least one epoch
+    tokens = _trainer({**base, "train_tokens": int(2.5 * data)}, tmp_path / "c")
+    assert tokens.total_steps == round(sum(per_epoch[:3]) * 2.5 / 3)
+    assert _trainer({**base, "epochs": 2.0}, tmp_path / "d").total_steps == sum(per_epoch[:2])

@@ -2,13 +2,13 @@
 
 A backend is one file (`backend_<name>.py`) with a class taking the same constructor arguments:
 
-    engine = Backend(cfg, target, dtype, layer_ids, max_len)   # cfg: remote.capture.capture.capture.CaptureConfig
+    engine = Backend(cfg, target, dtype, layer_ids, max_len)   # cfg: remote.capture.config.CaptureConfig
     engine.start()                                             # load the target; sets startup_s
     detail = engine.capture(plans, on_written, progress)       # write each planned shard; on_written(plan)
     engine.layers_path                                         # where it hooked the decoder layers
     engine.close()                                             # end everything start() began
 
-Adding a backend: write its file and add one line to BACKENDS below.
+Adding a backend: write its file and add one line to BACKENDS (remote/capture/config.py).
 """
 from __future__ import annotations
 
@@ -17,15 +17,11 @@ import time
 from typing import Callable, Protocol, Sequence
 
 from remote.capture.cache import ShardPlan
+from remote.capture.config import BACKENDS
 from remote.step import progress
 
 PROGRESS_EVERY_S = 2.0
 
-# backend name -> "module:Class"
-BACKENDS = {
-    "vllm": "remote.capture.backend_vllm:VllmCapture",
-    "transformers": "remote.capture.backend_transformers:HfCapture",
-}
 
 
 class Progress:

@@ -8,6 +8,11 @@ positions restarting at 0 for each: with no attention mask and no cache, transfo
 position ids as packed sequences and keeps attention inside each sample, so no compute goes to
 padding. Aux states come from `output_hidden_states` (index i is layer i-1's output); the final
 pre-norm state from a hook on the last decoder layer (HF's last hidden state has the norm applied).
+
+The capture is causal for every target, as vLLM serves it: a config that asks for bidirectional
+attention (PaliGemma's text model does by default) is loaded with it off, since a sample alone in its
+pack gets no mask and attention then follows the layers' own `is_causal`; and a probe at start
+refuses, naming the target, any model whose states at a position still change with a later token.
 """
 from __future__ import annotations
 
@@ -15,9 +20,10 @@ import errno
 import time
 from typing import Sequence
 
+import numpy as np
 import torch
 
-from remote.capture.cache import ShardPlan
+from remote.capture.cache import SampleRow, ShardPlan
 from remote.capture.store import Sample, write_shard
 from remote.capture.layers import TargetConfig, find_decoder_layers
 from remote.step import BadInput, log
@@ -38,11 +44,13 @@ class HfCapture:
         import transformers
 
         t0 = time.monotonic()
+        config = causal_config(self.cfg.target, self.cfg.trust_remote_code)
         errors = []
         for auto in ("AutoModelForCausalLM", "AutoModelForImageTextToText"):
             try:
                 self.model = getattr(transformers, auto).from_pretrained(
-                    self.cfg.target, dtype=getattr(torch, self.dtype), trust_remote_code=self.cfg.trust_remote_code)
+                    self.cfg.target, config=config, dtype=getattr(torch, self.dtype),
+                    trust_remote_code=self.cfg.trust_remote_code)
                 break
             except (ValueError, KeyError) as e:  # this auto class does not know the architecture
                 errors.append(f"{auto}: {e}")
@@ -53,11 +61,28 @@ class HfCapture:
         if len(self.layers) != self.target.num_layers:
             raise BadInput(f"{type(self.model).__name__} has {len(self.layers)} decoder layers, "
                            f"config.json says {self.target.num_layers}")
+        self.check_causal()
         self.startup_s = time.monotonic() - t0
         log(f"transformers: {type(self.model).__name__} on {self.device} ({self.dtype}) in {self.startup_s:.1f} s")
 
     def close(self) -> None:
         self.model = None
+
+    def check_causal(self, n: int = 16) -> None:
+        """Refuse a target whose states at a position change when only a later token does: the draft
+        learns from causal states, and vLLM serves causally. Two probes that differ in their last token,
+        low ids (placeholders such as image tokens sit at the end of a vocabulary)."""
+        ids = np.arange(10, 10 + n, dtype=np.int64) % self.target.vocab_size
+        other = ids.copy()
+        other[-1] = (ids[-1] + 1) % self.target.vocab_size
+        (aux_a, last_a), = self.forward_pack([SampleRow("probe", "train", ids, np.zeros(n, np.uint8))])
+        (aux_b, last_b), = self.forward_pack([SampleRow("probe", "train", other, np.zeros(n, np.uint8))])
+        a, b = torch.cat([aux_a, last_a], -1)[:-1].float(), torch.cat([aux_b, last_b], -1)[:-1].float()
+        moved = ((a - b).abs().max() / a.abs().max().clamp(min=1.0)).item()
+        if moved > 1e-3:
+            raise BadInput(f"target {self.cfg.target}: {type(self.model).__name__} is not causal here (states of "
+                           f"earlier tokens moved by {moved:.2%} when only the last token changed); "
+                           "eaglet captures what a causal decoder computes")
 
     def forward_pack(self, samples: Sequence) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(aux [T, n_aux * H], final [T, H]) per sample of one pack, on the CPU in the target dtype."""
@@ -107,3 +132,18 @@ class HfCapture:
                 raise
             on_written(plan)
         return {"passes": passes}
+
+
+def causal_config(target: str, trust_remote_code: bool):
+    """The target's transformers config, with bidirectional attention turned off wherever it is asked
+    for (the model's own config and its text model's: PaliGemma's defaults to on)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(target, trust_remote_code=trust_remote_code)
+    except (ValueError, KeyError, OSError) as e:  # an unknown model type, a config it cannot parse
+        raise BadInput(f"transformers cannot read the config of {target}: {e}") from e
+    for part in (config, config.get_text_config()):
+        if getattr(part, "use_bidirectional_attention", False):
+            part.use_bidirectional_attention = False
+    return config

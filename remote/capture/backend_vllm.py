@@ -1,4 +1,4 @@
-"""The vLLM backend of remote.capture.capture.capture: the serving engine, tensor parallel, with the capture
+"""The vLLM backend of remote.capture.capture: the serving engine, tensor parallel, with the capture
 worker extension (remote.capture.worker) hooked into its decoder layers (interface: remote.capture.backend)."""
 from __future__ import annotations
 

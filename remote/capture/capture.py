@@ -18,69 +18,23 @@ only its part of the samples (host_part of host_parts, chosen before either back
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from remote.capture.backend import BACKENDS, Progress, make_backend
+from remote.capture.backend import Progress, make_backend
+from remote.capture.config import CaptureConfig
 from remote.capture.cache import CaptureCache, SampleRow, cache_key
 from remote.capture.layers import TargetConfig, check_layer_ids, default_layer_ids
 from remote.data.prepare import host_of
-from remote.step import BadInput, StepOutput, emit, load_config, log, step_main
+from remote.step import BadInput, begin_step, emit, log, step_main
 
 STEP = "capture"
-DTYPES = ("auto", "bfloat16", "float16", "float32")
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-
-
-@dataclass(frozen=True, kw_only=True)
-class CaptureConfig:
-    dataset: str  # the prepare step's data.parquet (sample_id, input_ids, loss_mask, length, split)
-    target: str  # the target model folder on this host (HF layout: config.json, safetensors, tokenizer)
-    out_dir: str  # this step's folder; it holds the manifest, the shards live in the cache
-    cache_root: str  # the host's cache folder: shards are kept in <cache_root>/captures/<key>/
-    target_revision: str = ""  # a label for the weights, part of the cache key; "": hashes of the target's files
-    backend: str = "vllm"  # "vllm" or "transformers"
-    tensor_parallel_size: int = 1  # GPUs (CPU ranks on a CPU host) the target is split over (vllm)
-    layer_ids: list[int] | None = None  # aux hidden-state indices, HF numbering; None: (2, N//2, N-3)
-    samples_per_shard: int = 256  # samples in one shard, the unit of resume
-    max_shard_gib: float = 4.0  # a shard also closes before it would pass this size (GiB): bounds memory
-    max_num_seqs: int = 64  # requests in flight in one engine step (vllm)
-    max_num_batched_tokens: int = 8192  # tokens of one forward pass: vLLM's step budget, HF's pack size
-    dtype: str = "auto"  # of the forward and the shards; "auto": the target's own (config.json)
-    gpu_memory_utilization: float = 0.85  # share of each GPU vLLM may take
-    max_model_len: int = 0  # vLLM's context length; 0: the longest sample + 1
-    cpu_kvcache_gib: int = 2  # KV cache per rank on a CPU host (VLLM_CPU_KVCACHE_SPACE), GiB
-    device: str = "auto"  # transformers backend: "auto" (cuda when there is one), "cuda", "cpu"
-    trust_remote_code: bool = False  # let vLLM / transformers run the target's own code (its config classes)
-    engine_start_s: float = 1800.0  # seconds vLLM may take to start (load the weights, warm up); then it fails
-    host_part: int = 0  # this host's part of a run over host_parts hosts: it captures only the samples
-    host_parts: int = 1  # with remote.data.prepare.host_of(sample_id, host_parts) == host_part (1: all of them)
-
-    def __post_init__(self):
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend {self.backend!r}: choose one of {BACKENDS}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype {self.dtype!r}: choose one of {DTYPES}")
-        for name in ("tensor_parallel_size", "samples_per_shard", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)}: must be at least 1")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1]")
-        if self.max_shard_gib <= 0:
-            raise ValueError(f"max_shard_gib={self.max_shard_gib}: must be positive")
-        if self.engine_start_s <= 0:
-            raise ValueError(f"engine_start_s={self.engine_start_s}: must be positive")
-        if not 0 <= self.host_part < self.host_parts:
-            raise ValueError(f"host_part={self.host_part} of host_parts={self.host_parts}: need 0 <= host_part < host_parts")
-        if self.backend == "transformers" and self.tensor_parallel_size != 1:
-            raise ValueError("the transformers backend runs on one device: set tensor_parallel_size=1")
 
 
 # ----------------------------------------------------------------------------- the dataset
@@ -154,23 +108,17 @@ def check_disk(folder: Path, need: int) -> None:
         raise BadInput(f"the capture needs about {need / 2**30:.1f} GiB in {folder}; {free / 2**30:.1f} GiB is free")
 
 
-def _finished(out: StepOutput) -> dict | None:
-    """The manifest of a finished run whose shards are all still there, whole."""
-    m = out.done()
-    if m is None or m.get("config") != out.config:
-        return None
+def _shards_whole(m: dict) -> bool:
+    """Whether every shard a finished capture's manifest lists is still in the cache, whole."""
     sizes = m["capture"].get("shard_bytes", {})
-    if all(Path(p).is_file() and Path(p).stat().st_size == sizes.get(p) for p in m["capture"]["shards"]):
-        return m
-    return None
+    return all(Path(p).is_file() and Path(p).stat().st_size == sizes.get(p) for p in m["capture"]["shards"])
 
 
 def run(raw: dict) -> dict:
     started = time.monotonic()
-    cfg = load_config(CaptureConfig, raw, where="capture config")
-    out = StepOutput(cfg.out_dir, STEP, dataclasses.asdict(cfg))
-    if (done := _finished(out)) is not None:
-        log(f"capture already finished in {cfg.out_dir}: nothing to do")
+    # the work a killed capture did is in the cache (resumed from there), not in out_dir.partial
+    cfg, out, done = begin_step(CaptureConfig, raw, STEP, valid=_shards_whole)
+    if done is not None:
         return done
     target = TargetConfig.read(cfg.target)
     layer_ids = check_layer_ids(cfg.layer_ids if cfg.layer_ids is not None else default_layer_ids(target.num_layers),

@@ -32,29 +32,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from remote.step import BadInput, StepOutput, load_config, log, step_main
+from remote.capture.config import PatchWorkerConfig
+from remote.step import BadInput, begin_step, load_config, log, step_main
 
 STEP = "patch_worker"
 MIN_VLLM = (0, 10)  # InputBatch.req_ids, num_computed_tokens_cpu, query_start_loc in the forward context
 PROBE_TIMEOUT_S = 900  # building a 1T-parameter model on the meta device takes a while
 GIB = 2**30
-
-
-@dataclass(frozen=True, kw_only=True)
-class PatchWorkerConfig:
-    target: str  # the target model folder on this host (config.json is read, weights are not)
-    out_dir: str  # this step's folder (its manifest)
-    tensor_parallel_size: int = 1  # GPUs (CPU ranks on a CPU host) the capture will use
-    layer_ids: list[int] | None = None  # the aux layers the capture will hook; None: (2, N//2, N-3)
-    gpu_memory_utilization: float = 0.85  # share of each GPU vLLM will take
-    cpu_kvcache_gib: int = 2  # KV cache per rank on a CPU host, GiB
-    trust_remote_code: bool = False  # let vLLM run the target's own config code
-
-    def __post_init__(self):
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: must be at least 1")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1]")
 
 
 # ----------------------------------------------------------------------------- devices
@@ -274,18 +258,16 @@ def vllm_version() -> str:
 def run(raw: dict) -> dict:
     from remote.capture.layers import TargetConfig, check_layer_ids
 
-    cfg = load_config(PatchWorkerConfig, raw, where="patch_worker config")
+    cfg, out, done = begin_step(PatchWorkerConfig, raw, STEP, valid=lambda m: m.get("vllm") == vllm_version(),
+                                summary=lambda m: f"{m['model_class']}, {m['layers_path']}")
     target = TargetConfig.read(cfg.target)
     if cfg.layer_ids is not None:  # what config.json alone can refuse is refused before the probe
         check_layer_ids(cfg.layer_ids, target.num_layers)
-    out = StepOutput(cfg.out_dir, STEP, dataclasses.asdict(cfg))
     version = vllm_version()
     report = check_devices(cfg.tensor_parallel_size, cfg.gpu_memory_utilization, cfg.cpu_kvcache_gib,
                            target.weight_bytes)
     log(f"devices: {report.summary}")
-    done = out.done()
-    if done is not None and done.get("config") == out.config and done.get("vllm") == version:
-        log(f"worker already checked for {cfg.target} ({done['model_class']}, {done['layers_path']}): nothing to do")
+    if done is not None:
         return done
     view = worker_view(cfg)
     if view["problems"]:

@@ -10,7 +10,8 @@ back to back (no padding):
     cu_seqlens         [n + 1]                  int64, sample i is rows cu_seqlens[i]:cu_seqlens[i+1]
 
 with metadata `sample_ids` and `splits` (JSON lists, one entry a sample), `layer_ids` (JSON) and
-`hidden_size`. Bytes per token: (len(layer_ids) + 1) * H * dtype bytes + 5, plus 8 per sample.
+`hidden_size`, keys sorted: the same samples and states give the same bytes in any process.
+Bytes per token: (len(layer_ids) + 1) * H * dtype bytes + 5, plus 8 per sample.
 
 Shards are written to a temporary name and renamed when whole, so a reader never sees a partial one.
 """
@@ -64,10 +65,26 @@ def write_shard(path: str | os.PathLike, samples: Sequence[Sample], layer_ids: S
     }
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     save_file(tensors, str(tmp), metadata=meta)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
+    _sort_metadata_and_sync(tmp)
     os.replace(tmp, path)
     return path.stat().st_size
+
+
+def _sort_metadata_and_sync(path: Path) -> None:
+    """Rewrite a safetensors header in place with its metadata keys sorted, then fsync. safetensors
+    writes them in hash order, which changes from process to process; sorted, the same capture gives
+    the same bytes, so a checksum can say "same"."""
+    with open(path, "r+b") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(text) > size:  # only the order changed, so never; but never write over the tensors
+            raise RuntimeError(f"{path}: the sorted safetensors header is longer than the written one")
+        f.seek(8)
+        f.write(text.ljust(size))  # safetensors pads its header with spaces
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def shard_index(path: str | os.PathLike) -> tuple[list[str], list[str]]:

@@ -10,9 +10,15 @@
 Accepted records: ShareGPT (`{"conversations": [{"from": "human", "value": ...}, ...]}`, roles
 human/user, gpt/chatgpt/bing/bard/assistant/model, system) and OpenAI (`{"messages": [{"role":
 "user", "content": ...}, ...]}`). Accepted inputs: JSONL, JSON (an array of records, also one cut
-off mid-record: the whole records before the cut are kept and the cut is reported), Parquet, a
-folder of these (walked in name order), a `datasets` dataset saved with `save_to_disk`, and
-`hub:NAME[:SPLIT]` for a hub dataset where a network exists.
+off mid-record: the whole records before the cut are kept and the cut is reported; one record; or
+several arrays and records one after another, all read), Parquet, a folder of these (walked in
+name order), a `datasets` dataset saved with `save_to_disk`, and `hub:NAME[:SPLIT]` for a hub
+dataset where a network exists. Text files may start with a UTF-8 byte-order mark.
+
+Every real file and folder is read once: a symbolic link back up the tree (or the same file given
+twice) is counted in `report.notes`, not followed again. Anything given, or met in a folder with a
+data suffix, that is not a readable regular file or folder (a FIFO, a device, a symbolic link loop
+or to nothing, a file this user may not read) is BadInput naming it; it is never opened.
 
 A good conversation is: an optional system turn first, then user and assistant turns strictly
 alternating from a user turn, every content a non-empty string, at least one assistant turn. A
@@ -20,13 +26,16 @@ trailing user turn (no answer to learn from) is trimmed and counted in `report.n
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
 import re
+import stat
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Generator, Iterable, Iterator
 
 from remote.step import BadInput
 
@@ -41,13 +50,16 @@ FILE_SUFFIXES = (".jsonl", ".ndjson", ".json", ".parquet")
 EXAMPLES_PER_REASON = 3  # bad rows shown in the report: the first ones met of each reason
 
 # Reasons a row is skipped (the keys of ReadReport.bad).
-BROKEN_JSON = "broken_json"  # a JSONL line that does not parse
+BROKEN_JSON = "broken_json"  # a JSONL line (or a value of a .json file) that does not parse
+TOO_DEEP = "nested_too_deep"  # valid JSON nested deeper than the decoder's recursion limit
+TOO_DEEP_DETAIL = "valid JSON, nested too deep to decode"
 TRUNCATED_FILE = "truncated_file"  # a JSON array cut off: counted once, where it broke
 NOT_A_CONVERSATION = "not_a_conversation"  # no `conversations` / `messages` list in the record
 MALFORMED_TURN = "malformed_turn"  # a turn that is not an object
 UNKNOWN_ROLE = "unknown_role"
 NON_STRING_CONTENT = "non_string_content"
 EMPTY_CONTENT = "empty_content"
+INVALID_UNICODE = "invalid_unicode"  # text with a lone surrogate ("\ud800"): valid JSON, not encodable as UTF-8
 NOT_ALTERNATING = "not_alternating"  # system not first, two users in a row, starts with the assistant
 NO_ASSISTANT_TURN = "no_assistant_turn"
 
@@ -129,6 +141,11 @@ def _turn(t: Any, i: int) -> tuple[str, str]:
         raise BadRecord(NON_STRING_CONTENT, f"turn {i} ({role}) content is {type(content).__name__}, not a string")
     if not content.strip():
         raise BadRecord(EMPTY_CONTENT, f"turn {i} ({role}) is empty")
+    try:  # JSON's \u escapes can spell half a surrogate pair, which no tokenizer or hash can encode
+        content.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRecord(INVALID_UNICODE, f"turn {i} ({role}) holds {content[e.start:e.end]!r} at {e.start}, "
+                        "a lone surrogate, not a character") from None
     return role, content
 
 
@@ -171,33 +188,64 @@ def input_files(inputs: Iterable[str], report: ReadReport) -> list[Path | str]:
     Checks every input exists before anything is read, so a typo fails at once and names the path.
     """
     files: list[Path | str] = []
+    seen: set[tuple[int, int]] = set()  # (device, inode) of every file and folder met
     for spec in inputs:
         if spec.startswith("hub:"):
             files.append(spec)
             continue
         p = Path(spec)
-        if not p.exists():
-            raise BadInput(f"input {spec} does not exist")
-        if p.is_file() and p.suffix.lower() not in FILE_SUFFIXES:
+        st = _data_stat(p)
+        if stat.S_ISREG(st.st_mode) and p.suffix.lower() not in FILE_SUFFIXES:
             raise BadInput(f"input {spec}: unsupported file type {p.suffix!r}; give .jsonl, .json, .parquet, "
                            "a folder of them or a folder saved by datasets' save_to_disk")
-        files += _walk(p, report)
+        files += _walk(p, st, report, seen)
     report.files = len(files)
     return files
 
 
-def _walk(p: Path, report: ReadReport) -> Iterator[Path]:
-    """The readable files under p, in name order; a saved `datasets` folder counts as one."""
-    if p.is_file() or is_saved_dataset(p):
+_KINDS = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+          stat.S_IFSOCK: "a socket"}
+
+
+def _data_stat(p: Path) -> os.stat_result:
+    """p's status (through symbolic links) when p is a regular file or folder this user can read;
+    else BadInput saying what it is. Nothing else is ever opened: a FIFO would block, a device never end."""
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        raise BadInput(f"input {p} is a symbolic link to a missing path" if p.is_symlink()
+                       else f"input {p} does not exist") from None
+    except OSError as e:  # ELOOP, or EACCES on a folder on the way
+        what = "a symbolic link loop" if e.errno == errno.ELOOP else e.strerror
+        raise BadInput(f"input {p}: {what}") from None
+    is_dir = stat.S_ISDIR(st.st_mode)
+    if not (is_dir or stat.S_ISREG(st.st_mode)):
+        raise BadInput(f"input {p} is {_KINDS.get(stat.S_IFMT(st.st_mode), 'not a regular file')}, "
+                       "not a regular file or folder of conversations")
+    if not os.access(p, os.R_OK | (os.X_OK if is_dir else 0)):
+        raise BadInput(f"input {p}: permission denied (this user may not read it)")
+    return st
+
+
+def _walk(p: Path, st: os.stat_result, report: ReadReport, seen: set[tuple[int, int]]) -> Iterator[Path]:
+    """The readable files under p, in name order; a saved `datasets` folder counts as one. A file or
+    folder met before (a link back up the tree) is counted in notes and not read again."""
+    if (st.st_dev, st.st_ino) in seen:
+        report.notes["links_to_files_or_folders_already_read"] += 1
+        return
+    seen.add((st.st_dev, st.st_ino))
+    if stat.S_ISREG(st.st_mode) or is_saved_dataset(p):
         yield p
         return
-    for child in sorted(p.iterdir()):
+    try:
+        children = sorted(p.iterdir())
+    except OSError as e:  # access() said yes, yet listing failed (e.g. an ACL, an I/O error)
+        raise BadInput(f"input {p}: cannot list the folder ({e.strerror})") from None
+    for child in children:
         if child.name.startswith("."):
             continue
-        if child.is_dir():
-            yield from _walk(child, report)
-        elif child.suffix.lower() in FILE_SUFFIXES:
-            yield child
+        if child.suffix.lower() in FILE_SUFFIXES or child.is_dir():
+            yield from _walk(child, _data_stat(child), report, seen)
         else:
             report.notes["ignored_files"] += 1
 
@@ -225,7 +273,8 @@ def _file_lines(p: Path) -> Iterator[str]:
     """A text file's lines, streamed. Lines end at \n (or \r\n) only: JSON text may hold U+2028 and
     other characters that str.splitlines would also split at."""
     try:
-        with open(p, encoding="utf-8", newline="") as f:
+        # utf-8-sig: a byte-order mark at the start (how some systems save UTF-8) is dropped, not read
+        with open(p, encoding="utf-8-sig", newline="") as f:
             yield from f
     except UnicodeDecodeError as e:
         raise BadInput(f"{p}: not UTF-8 text ({e})") from e
@@ -233,7 +282,7 @@ def _file_lines(p: Path) -> Iterator[str]:
 
 def _read_text(p: Path) -> str:
     try:
-        return p.read_text(encoding="utf-8")
+        return p.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as e:
         raise BadInput(f"{p}: not UTF-8 text ({e})") from e
 
@@ -243,53 +292,121 @@ def _jsonl_records(p: Path, lines: Iterable[str], report: ReadReport) -> Iterato
         if not line.strip():
             continue
         try:
-            rec = json.loads(line)
+            rec = _DECODER.decode(line)
+        except RecursionError:
+            report.lost(TOO_DEEP, f"{p}:{n}", TOO_DEEP_DETAIL)
+            continue
         except json.JSONDecodeError as e:
             report.lost(BROKEN_JSON, f"{p}:{n}", str(e))
             continue
         yield f"{p}:{n}", rec
 
 
+def _parse_int(digits: str) -> int | float:
+    """An integer, or a float for one too long for int() (over 4300 digits): a conversation has no
+    use for such a number, and one in a field nobody reads must not lose the row."""
+    try:
+        return int(digits)
+    except ValueError:
+        return float(digits)
+
+
+_DECODER = json.JSONDecoder(parse_int=_parse_int)
+_SKIPPED = object()  # a value counted as bad where it was met
 _WS = re.compile(r"[ \t\r\n]*")
+# A JSON string, or one bracket: enough to find where a value too deep to decode ends.
+_STRING_OR_BRACKET = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]', re.S)
+
+
+class _Lines:
+    """The line number of a position in a text, counted as positions grow."""
+
+    def __init__(self, text: str):
+        self.text, self.pos, self.line = text, 0, 1
+
+    def at(self, pos: int) -> int:
+        self.line += self.text.count("\n", self.pos, pos)
+        self.pos = pos
+        return self.line
+
+
+Records = Generator[tuple[str, Any], None, "int | None"]  # (where, record)s; then where reading goes on
 
 
 def _json_records(p: Path, report: ReadReport) -> Iterator[tuple[str, Any]]:
-    """An array decoded record by record, so a file cut off mid-record still gives its whole records."""
+    """The records of a .json file: its top-level values one after another (one array, one record,
+    JSON lines, two arrays...); arrays are decoded record by record, so one cut off mid-record still
+    gives its whole records."""
     text = _read_text(p)
+    lines = _Lines(text)
     pos = _WS.match(text, 0).end()
-    if pos == len(text):
-        return
-    if text[pos] != "[":
-        try:  # one record, or JSON lines in a file named .json
-            rec = json.loads(text)
-        except json.JSONDecodeError:
-            yield from _jsonl_records(p, text.split("\n"), report)
-            return
-        yield f"{p}:{text.count(chr(10), 0, pos) + 1}", rec
-        return
-    decoder, line, counted = json.JSONDecoder(), 1, 0
+    while pos is not None and pos < len(text):
+        if text[pos] == "[":
+            pos = yield from _array_records(p, text, pos, lines, report)
+        else:
+            pos = yield from _value_record(p, text, pos, lines, report)
+        pos = pos if pos is None else _WS.match(text, pos).end()
+
+
+def _value_record(p: Path, text: str, pos: int, lines: _Lines, report: ReadReport) -> Records:
+    """The top-level value at pos; returns where the next may begin. A broken one is skipped to the next line."""
+    where = f"{p}:{lines.at(pos)}"
+    try:
+        rec, end = _decode(text, pos, where, report)
+    except json.JSONDecodeError as e:
+        report.lost(BROKEN_JSON, where, str(e))
+        nl = text.find("\n", pos)
+        return len(text) if nl < 0 else nl + 1
+    if rec is not _SKIPPED:
+        yield where, rec
+    return len(text) if end is None else end
+
+
+def _array_records(p: Path, text: str, pos: int, lines: _Lines, report: ReadReport) -> Records:
+    """The records of the array at pos; returns the position after it, or None where it breaks off."""
     pos += 1
     while True:
         pos = _WS.match(text, pos).end()
         if pos < len(text) and text[pos] == "]":
-            return
-        line += text.count("\n", counted, pos)
-        counted = pos
+            return pos + 1
+        where = f"{p}:{lines.at(pos)}"
         try:
-            rec, end = decoder.raw_decode(text, pos)
+            rec, end = _decode(text, pos, where, report)
         except json.JSONDecodeError as e:
-            report.lost(TRUNCATED_FILE, f"{p}:{line}", f"the JSON array breaks off here ({e.msg}); "
+            report.lost(TRUNCATED_FILE, where, f"the JSON array breaks off here ({e.msg}); "
                         "the records before it are kept")
-            return
-        yield f"{p}:{line}", rec
-        pos = _WS.match(text, end).end()
+            return None
+        if rec is not _SKIPPED:
+            yield where, rec
+        pos = len(text) if end is None else _WS.match(text, end).end()
         if pos < len(text) and text[pos] == ",":
             pos += 1
         elif pos >= len(text) or text[pos] != "]":
-            line += text.count("\n", counted, pos)
-            report.lost(TRUNCATED_FILE, f"{p}:{line}", "the JSON array does not go on or close here; "
+            report.lost(TRUNCATED_FILE, f"{p}:{lines.at(pos)}", "the JSON array does not go on or close here; "
                         "the records before it are kept")
-            return
+            return None
+
+
+
+
+def _decode(text: str, pos: int, where: str, report: ReadReport) -> tuple[Any, int | None]:
+    """(value, end) of the JSON value at pos. One nested too deep to decode is counted and skipped:
+    (_SKIPPED, its end, None when it never closes). Broken JSON raises JSONDecodeError."""
+    try:
+        return _DECODER.raw_decode(text, pos)
+    except RecursionError:
+        report.lost(TOO_DEEP, where, TOO_DEEP_DETAIL)
+        return _SKIPPED, _value_end(text, pos)
+
+
+def _value_end(text: str, pos: int) -> int | None:
+    """The end of the array or object at pos, by counting brackets outside strings; None if it never closes."""
+    depth = 0
+    for m in _STRING_OR_BRACKET.finditer(text, pos):
+        depth += {"[": 1, "{": 1, "]": -1, "}": -1}.get(m.group(), 0)
+        if depth == 0:
+            return m.end()
+    return None
 
 
 def _parquet_records(p: Path) -> Iterator[tuple[str, Any]]:

@@ -24,9 +24,9 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from remote.data.config import DataDeltaConfig
 from remote.data.chat_data import ReadReport, read_conversations
 from remote.data.prepare import split_of
 from remote.step import BadInput, begin_step, log, step_main
@@ -36,20 +36,6 @@ STATE = "state.json"
 NEW = "new.jsonl"
 SEEN = "seen.txt"
 EMPTY_STATE = {"nights": [], "seen": None}  # a nightly before its first good night
-
-
-@dataclass(frozen=True, kw_only=True)
-class DataDeltaConfig:
-    inputs: list = field(default_factory=list)  # the data source: files or folders (remote.data.chat_data reads them)
-    state_dir: str  # the nightly's folder on the host; its state.json says what earlier nights took
-    out_dir: str  # this night's folder (usually <state_dir>/nights/<run>)
-    heldout_permille: int = 50  # the training flow's data.heldout_permille (the same each night)
-
-    def __post_init__(self):
-        if not self.inputs or not all(isinstance(p, str) and p for p in self.inputs):
-            raise ValueError(f"inputs={self.inputs!r}: name at least one file or folder of conversations")
-        if not 0 <= self.heldout_permille <= 1000:
-            raise ValueError(f"heldout_permille={self.heldout_permille}: must lie in 0..1000")
 
 
 def read_state(state_dir: str | os.PathLike) -> dict:

@@ -24,42 +24,27 @@ import importlib.util
 import json
 import sys
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
+from remote.data.config import EmbeddedDefaultConfig
 from remote.data.chat_data import BadRecord, ReadReport, iter_records, parse_record
-from remote.step import MANIFEST, BadInput, StepOutput, load_config, log, read_manifest, step_main
-from remote.step import verify_outputs, write_json_atomic
+from remote.step import MANIFEST, BadInput, StepOutput, begin_step, log, step_main, write_json_atomic
 
 STEP = "embedded_default"
 MODEL_NAME = "smollm2-135m-instruct"
-DTYPES = ("float32", "bfloat16")
 FORMAT = 1  # of the top manifest; a cache written in another format is written again
 
 
-@dataclass(frozen=True, kw_only=True)
-class EmbeddedDefaultConfig:
-    out_dir: str  # the cache folder: the converted model and the conversations are kept here
-    conversations: int = 300  # how many ShareGPT conversations to write (the first clean ones); 0: all of them
-    dtype: str = "float32"  # weights of the converted model; float32 suits CPUs without bf16 units
-
-    def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype {self.dtype!r}: choose one of {DTYPES}")
-        if self.conversations < 0:
-            raise ValueError(f"conversations={self.conversations}: give a count, or 0 for all of them")
-
-
 def run(raw: dict) -> dict:
-    cfg = load_config(EmbeddedDefaultConfig, raw, where="embedded_default config")
+    # a cache shared by runs: another config makes (or finds) its own parts, never refused
+    cfg, _, done = begin_step(EmbeddedDefaultConfig, raw, STEP, on_change="redo",
+                              valid=lambda m: m.get("format") == FORMAT)
+    if done is not None:
+        return done
     out = Path(cfg.out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    with _locked(out / ".lock"):
-        done = read_manifest(out)
-        if (done is not None and done.get("format") == FORMAT and done.get("config") == asdict(cfg)
-                and not verify_outputs(out, done)):
-            log(f"embedded default already in {out}: nothing to do")
-            return done
+    with _locked(out / ".lock"):  # a run waiting here finds the parts done by the other (StepOutput)
         model_dir, model_m = ensure_model(out / f"{MODEL_NAME}-{cfg.dtype}", cfg.dtype)
         data_dir, data_m = ensure_conversations(out / f"sharegpt-{cfg.conversations or 'all'}", cfg.conversations)
         manifest = {

@@ -33,17 +33,17 @@ import shutil
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from remote.data.config import PrepareConfig
 from remote.data.chat_data import BadRecord, Conversation, ReadReport, input_files, read_conversations
-from remote.step import BadInput, StepOutput, load_config, log, progress, step_main
+from remote.step import BadInput, begin_step, log, progress, step_main
 
 STEP = "prepare"
 DATA_FILE = "data.parquet"
-LONG_POLICIES = ("truncate", "drop")
 # Drops by policy, not by bad data: they do not count against max_bad_fraction.
 DUPLICATE, TOO_LONG, NO_LOSS_LEFT = "duplicate", "too_long", "no_loss_tokens_after_truncation"
 POLICY_DROPS = (DUPLICATE, TOO_LONG, NO_LOSS_LEFT)
@@ -51,37 +51,6 @@ POLICY_DROPS = (DUPLICATE, TOO_LONG, NO_LOSS_LEFT)
 SPECIAL_TOKEN_IN_TEXT = "special_token_in_text"  # text that would tokenize as a control token
 TEMPLATE_ERROR = "template_error"  # the template refused the conversation (e.g. no system role)
 TEMPLATE_NOT_INCREMENTAL = "template_not_incremental"  # no assistant turn renders as a growing prefix
-
-
-@dataclass(frozen=True, kw_only=True)
-class PrepareConfig:
-    inputs: tuple[str, ...]  # conversation files, folders, saved datasets folders, or hub:NAME[:SPLIT]
-    tokenizer: str  # the target model's folder: its tokenizer and chat template are used
-    out_dir: str  # where data.parquet and manifest.json go (through out_dir.partial)
-    max_length: int = 2048  # tokens a sample may have at most
-    long_policy: str = "truncate"  # longer samples: "truncate" keeps the first max_length tokens, "drop" skips them
-    heldout_permille: int = 20  # share of samples (per thousand, by hash) in the held-out split
-    max_bad_fraction: float = 0.5  # fail when more than this share of the rows read is malformed
-    max_samples: int | None = None  # stop after this many samples (the first ones in input order)
-    batch_size: int = 256  # conversations rendered and tokenized together
-    trust_remote_code: bool = False  # load a tokenizer that ships its own code (Kimi-K2.5's tiktoken one)
-
-    def __post_init__(self):
-        if isinstance(self.inputs, str) or not self.inputs:
-            raise ValueError("inputs must be a non-empty list of paths")
-        object.__setattr__(self, "inputs", tuple(str(p) for p in self.inputs))
-        if self.max_length < 2:
-            raise ValueError(f"max_length={self.max_length}: need at least 2 tokens")
-        if self.long_policy not in LONG_POLICIES:
-            raise ValueError(f"long_policy {self.long_policy!r}: choose one of {LONG_POLICIES}")
-        if not 0 <= self.heldout_permille <= 1000:
-            raise ValueError(f"heldout_permille={self.heldout_permille}: must lie in 0..1000")
-        if not 0.0 <= self.max_bad_fraction <= 1.0:
-            raise ValueError(f"max_bad_fraction={self.max_bad_fraction}: must lie in 0..1")
-        if self.max_samples is not None and self.max_samples < 1:
-            raise ValueError(f"max_samples={self.max_samples}: give a positive number or null")
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size={self.batch_size}: must be positive")
 
 
 def split_of(sample_id: str, heldout_permille: int) -> str:
@@ -240,11 +209,8 @@ class DatasetWriter:
 
 # ----------------------------------------------------------------------------- the step
 def run(raw: dict) -> dict:
-    cfg = load_config(PrepareConfig, raw, where="prepare config")
-    resolved = json.loads(json.dumps(asdict(cfg)))  # as the manifest holds it (lists, not tuples)
-    out = StepOutput(cfg.out_dir, STEP, resolved)
-    if (done := out.done()) is not None and done.get("config") == resolved:
-        log(f"prepare: {cfg.out_dir} is already finished ({done['counts']['samples']} samples)")
+    cfg, out, done = begin_step(PrepareConfig, raw, STEP, summary=lambda m: f"{m['counts']['samples']} samples")
+    if done is not None:
         return done
     input_files(cfg.inputs, ReadReport())  # a missing input fails now, before the tokenizer loads
     chat = ChatTokenizer(cfg.tokenizer, cfg.trust_remote_code)

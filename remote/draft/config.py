@@ -39,6 +39,14 @@ class DraftConfig:
     rope_scaling: dict | None = None  # HF rope_scaling dict (a rope_type of ROPE_TYPES and its keys), or None
     max_position_embeddings: int = 8192  # written to the exported config (vLLM sizes its rope cache by it)
     target_hidden_size: int | None = None  # width of the captured states when it differs from H (None: H)
+    target_layers: int | None = None  # the target's decoder layers N (the export checks aux ids by it; None: unknown)
+    target_model_type: str = ""  # the target's text model_type (SGLang numbers DeepSeek/Kimi aux ids its own way)
+    # The draft options vLLM 0.32's eagle3 Llama draft reads from config.json (speculators 0.9.0 trains with
+    # the first three on). Each changes the forward; the export writes it so vLLM runs the same model.
+    norm_before_fc: bool = False  # one RMSNorm (`input_norm`, width n_aux*H) over the concatenated aux states before fc
+    fc_norm: bool = False  # one RMSNorm per aux state (`fc_norm.i`, width H) before fc; not with norm_before_fc
+    norm_before_residual: bool = False  # the residual around attention is hidden_norm(state), not the raw state
+    norm_output: bool = False  # the state a step hands the next one is the final-normed one, not the pre-norm one
     extra: dict = field(default_factory=dict)  # target config keys copied into the export verbatim (bos/eos ids)
 
     def __post_init__(self):
@@ -53,6 +61,9 @@ class DraftConfig:
         if not self.aux_layer_ids:
             raise ValueError("aux_layer_ids is empty: EAGLE-3 needs the capture's aux layer ids")
         object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError("norm_before_fc and fc_norm are two ways to normalise the aux states before fc: "
+                             "choose one")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
         object.__setattr__(self, "rope_scaling", _rope_scaling(self.rope_scaling))
@@ -93,6 +104,8 @@ class DraftConfig:
             rope_theta=float(t.get("rope_theta") or rope.get("rope_theta") or 10000.0),
             rope_scaling=scaling,
             max_position_embeddings=int(t.get("max_position_embeddings") or 8192),
+            target_layers=int(t["num_hidden_layers"]) if "num_hidden_layers" in t else None,
+            target_model_type=str(t.get("model_type") or ""),
             extra={k: t[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in t},
         )
         values.update(overrides)

@@ -1,7 +1,7 @@
 """Training data from a capture: an index of the train samples, packing plans, packed batches.
 
     index = CaptureIndex.build(CaptureSet.from_manifest(capture_dir), split="train")
-    plan = pack(index.lengths, token_budget=8192, seed=0, epoch=0)   # [[sample indices], ...]
+    plan = pack(index.lengths, 8192, epoch_order(len(index.refs), seed=0, epoch=0))  # [[sample indices], ...]
     batch = index.load(plan[i], token_budget=8192)                   # a remote.draft.loss.PackedBatch
     index.set_in_draft(flags)        # per-sample [length] bool, precomputed once (remote.train.train)
 
@@ -124,22 +124,32 @@ def _check(t: dict[str, torch.Tensor], r: SampleRef, aux_width: int, hidden: int
             raise BadInput(f"{where}: {k} holds NaN or Inf")
 
 
-def pack(lengths: list[int], token_budget: int, seed: int, epoch: int) -> list[list[int]]:
-    """Shuffle (seed, epoch) and pack greedily into batches of at most token_budget tokens.
-
-    Sample order is the only randomness of the data: the same (seed, epoch) gives the same plan on
-    every rank and after every resume. A sample longer than the budget gets a batch to itself (cut).
-    """
-    order = list(range(len(lengths)))
+def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    """The train samples' order in an epoch: the only randomness of the data, so the same (seed,
+    epoch) gives the same plan on every rank and after every resume."""
+    order = list(range(n))
     random.Random(seed * 1_000_003 + epoch).shuffle(order)
-    batches, cur, used = [], [], 0
+    return order
+
+
+def pack(lengths: list[int], token_budget: int, order: list[int], max_tokens: int = 0) -> list[list[int]]:
+    """Pack the samples greedily, in this order, into batches of at most token_budget tokens.
+
+    A sample longer than the budget gets a batch to itself (cut). With max_tokens, packing stops
+    before the sample that would pass it, once a batch is whole (the held-out evaluation's cap).
+    The one packer of training (epoch_order) and the offline evaluation (samples by id).
+    """
+    batches, cur, used, total = [], [], 0, 0
     for i in order:
         n = min(lengths[i], token_budget)
+        if max_tokens and total + n > max_tokens and batches:
+            break
         if cur and used + n > token_budget:
             batches.append(cur)
             cur, used = [], 0
         cur.append(i)
         used += n
+        total += n
     if cur:
         batches.append(cur)
     return batches

@@ -4,14 +4,21 @@
     tgt = head.targets(batch, ttt_steps)                            # no grad: soft targets, valid masks
     obj = TTTObjective(draft, ttt_steps=7)
     loss, stats = obj(batch, tgt, denom=tgt.counts)                 # denom: valid positions per step
+    for k, normed in unroll(draft, batch, steps, attn): ...          # the unroll both of them use
 
-Alignment (vLLM's, see FACTS.md): the draft at packed position t of step k reads token t+1+k with
-rotary position pos[t]+k and predicts token t+2+k, whose target distribution is the target's
-softmax at t+1+k (its lm_head over its final norm of the captured last state), restricted to the
-draft vocabulary. A position counts when token t+2+k is in the same sample, is loss-masked (the
-assistant wrote it), and the target's full-vocabulary top-1 there is inside the draft vocabulary.
+One unroll and one alignment rule, here, for the training objective, the logged loss and the
+offline evaluation (remote.evaluate.evaluate.chain_of_batch). Alignment (vLLM's, see FACTS.md):
+the draft at packed position t of step k reads token t+1+k with rotary position pos[t]+k and
+predicts token t+2+k, whose target distribution is the target's softmax at t+1+k (its lm_head
+over its final norm of the captured last state), restricted to the draft vocabulary. Step k at t
+is known when token t+2+k is in the same sample and loss-masked (the assistant wrote it); it
+counts in the loss when, besides, the target's full-vocabulary top-1 at t+1+k is inside the
+draft vocabulary (the evaluation scores such a step as a miss: the draft cannot guess it).
 
-loss = sum_k decay**k * (sum of soft CE over step k's counted positions) / denom[k]
+loss = sum_k w_k * (sum of soft CE over step k's counted positions) / denom[k],  w_k = decay**k
+
+Soft CE against the target's distribution p is forward KL(p || q) plus p's entropy, a constant of
+the draft: the same gradient, so the one loss serves both names (the logged value is the CE).
 
 With denom the count over the whole global batch (every rank, every accumulated micro-batch), the
 gradient is the same whether the batch is split over processes or not (the trainer multiplies by
@@ -51,9 +58,33 @@ class PackedBatch:
 @dataclass
 class StepTargets:
     logits: torch.Tensor  # [T, Vd] target logits over the draft vocabulary (compute dtype)
-    valid: torch.Tensor  # [K, T] bool: position t of step k counts
+    valid: torch.Tensor  # [K, T] bool: position t of step k counts in the loss (known, top-1 in the draft vocabulary)
     counts: torch.Tensor  # [K] float32: valid positions per step in this batch
     in_draft: torch.Tensor | None = None  # [T] bool: the target's full-vocabulary top-1 at t is in the draft vocabulary
+    known: torch.Tensor | None = None  # [K, T] bool: token t+2+k is in t's sample and loss-masked
+
+
+def read_rows(t: int, k: int, device) -> torch.Tensor:
+    """[T] the row whose token step k reads at each position (t+1+k; the target's distribution there
+    is the one to match), clamped inside the batch (rows past the end are never known)."""
+    return (torch.arange(t, device=device) + 1 + k).clamp(max=t - 1)
+
+
+def step_weights(ttt_steps: int, decay: float) -> list[float]:
+    """The loss weight of each TTT step (decay**k), for the objective and the logged loss alike."""
+    return [decay ** k for k in range(ttt_steps)]
+
+
+def unroll(draft: EagleDraft, b: PackedBatch, steps: int, attn: TTTAttention):
+    """Yield (k, normed state [T, H]) of each TTT step: step k reads the tokens at read_rows(k) and
+    the previous step's own output state (step 0: fc of the captured aux states)."""
+    t = len(b.input_ids)
+    hidden = draft.fc(b.aux)
+    for k in range(steps):
+        prenorm, normed = draft.step(draft.embed(b.input_ids[read_rows(t, k, b.input_ids.device)]), hidden,
+                                     b.positions + k, attn)
+        yield k, normed
+        hidden = prenorm
 
 
 class TargetHead:
@@ -101,13 +132,13 @@ class TargetHead:
         in_draft = b.in_draft if b.in_draft is not None else self.in_draft(b.last, logits)
         t = len(b.last)
         idx = torch.arange(t, device=b.last.device)
-        valid = []
+        known = []
         for k in range(ttt_steps):
             j = (idx + 2 + k).clamp(max=t - 1)  # the predicted token
-            v = (idx + 2 + k < t) & (b.doc_ids[j] == b.doc_ids) & b.loss_mask[j] & in_draft[(idx + 1 + k).clamp(max=t - 1)]
-            valid.append(v)
-        valid = torch.stack(valid)
-        return StepTargets(logits, valid, valid.sum(1).float(), in_draft)
+            known.append((idx + 2 + k < t) & (b.doc_ids[j] == b.doc_ids) & b.loss_mask[j])
+        known = torch.stack(known)
+        valid = torch.stack([known[k] & in_draft[read_rows(t, k, b.last.device)] for k in range(ttt_steps)])
+        return StepTargets(logits, valid, valid.sum(1).float(), in_draft, known)
 
 
 # ----------------------------------------------------------------------------- fused head + soft CE
@@ -175,22 +206,17 @@ class TTTObjective(nn.Module):
 
     def forward(self, b: PackedBatch, tgt: StepTargets, denom: torch.Tensor):
         """Returns (loss, stats) with stats[k] = (sum of CE, top-1 agreements, counted positions)."""
-        d = self.draft
-        t = len(b.input_ids)
-        idx = torch.arange(t, device=b.input_ids.device)
+        dev = b.input_ids.device
         attn = TTTAttention(b.doc_ids, self.attention, self.compiled)
-        hidden = d.fc(b.aux)
-        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        weights = step_weights(self.ttt_steps, self.decay)
+        loss = torch.zeros((), dtype=torch.float32, device=dev)
         stats = []
-        for k in range(self.ttt_steps):
-            nxt = (idx + 1 + k).clamp(max=t - 1)
-            prenorm, normed = d.step(d.embed(b.input_ids[nxt]), hidden, b.positions + k, attn)
+        for k, normed in unroll(self.draft, b, self.ttt_steps, attn):
             rows = tgt.valid[k].nonzero().squeeze(1)
-            scale = (self.decay ** k) / denom[k].clamp(min=1.0)
-            w = torch.full((len(rows),), 1.0, device=hidden.device) * scale
-            lk, ce, correct = HeadSoftCE.apply(normed, d.lm_head.weight, tgt.logits, rows, (rows + 1 + k),
+            scale = weights[k] / denom[k].clamp(min=1.0)
+            w = torch.full((len(rows),), 1.0, device=dev) * scale
+            lk, ce, correct = HeadSoftCE.apply(normed, self.draft.lm_head.weight, tgt.logits, rows, (rows + 1 + k),
                                                w, self.chunk, self._chunk_fn)
             loss = loss + lk
             stats.append(torch.stack([ce, correct, tgt.counts[k]]))
-            hidden = prenorm
         return loss, torch.stack(stats)

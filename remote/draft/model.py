@@ -1,15 +1,19 @@
 """The EAGLE-3 draft in plain PyTorch: fc, one decoder layer over [embedding, fused state], lm_head.
 
     draft = EagleDraft(cfg)                      # cfg: remote.draft.config.DraftConfig
-    h = draft.fc(aux_hidden_states)              # [T, n_aux*H] -> [T, H]
+    h = draft.fc(aux_hidden_states)              # [T, n_aux*H] -> [T, H] (the input norms included)
     attn = TTTAttention(doc_ids)                 # one per packed batch, shared by the TTT steps
-    prenorm, normed = draft.step(draft.embed(ids), h, positions, attn)
+    h, normed = draft.step(draft.embed(ids), h, positions, attn)   # h: the state the next step reads
     logits = draft.lm_head(normed)               # over the draft vocabulary
 
-Parameter names are the ones vLLM and SGLang load (`fc`, `midlayer.*`, `norm`, `lm_head`), so the
-export only converts dtypes. The data flow follows vLLM's eagle3 Llama draft: the residual is the
-fused state h, the attention input is cat(input_layernorm(embed), hidden_norm(h)) (embedding first),
-and the pre-norm output is what the next step (and vLLM's next draft token) gets as its state.
+Parameter names are the ones vLLM and SGLang load (`fc`, `midlayer.*`, `norm`, `lm_head`, and with
+the options `input_norm`, `fc_norm.i`), so the export only converts dtypes. The data flow is vLLM
+0.32's eagle3 Llama draft (llama_eagle3.py), options included:
+    h = fc(aux)                              norm_before_fc: fc(input_norm(aux)); fc_norm: fc(cat(fc_norm.i(aux_i)))
+    x = cat(input_layernorm(embed), hidden_norm(h))             (embedding first)
+    residual = h                             norm_before_residual: hidden_norm(h)
+    out = mlp(post_attention_layernorm(attn(x) + residual)) + attn(x) + residual
+    logits = lm_head(norm(out)); the next step's state is out    norm_output: norm(out)
 
 Training-time test (TTT): step k's queries see the step-0 keys of their own sample causally plus
 the keys that steps 1..k wrote at their own position (the "diagonal"). TTTAttention keeps every
@@ -77,6 +81,34 @@ class SelfAttention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
 
 
+class FC(nn.Linear):
+    """fc, after the input norms vLLM's combine_hidden_states applies (norm_before_fc, fc_norm).
+
+    The norms are registered on the draft under vLLM's weight names (`input_norm`, `fc_norm.i`); fc
+    only calls them (a tuple: not submodules), so every caller of draft.fc (the loss, the
+    evaluation) gets the state vLLM drafts from, and the names stay the ones vLLM loads.
+    """
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__(cfg.fc_in, cfg.hidden_size, bias=False)
+        self.norms: tuple[nn.Module, ...] = ()
+
+    def forward(self, aux: torch.Tensor) -> torch.Tensor:
+        for norm in self.norms:
+            aux = norm(aux)
+        return super().forward(aux)
+
+
+class AuxNorms(nn.ModuleList):
+    """fc_norm: one RMSNorm per aux state of the concatenation (Eagle 3.1)."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__(RMSNorm(cfg.fc_in // cfg.n_aux, cfg.rms_norm_eps) for _ in range(cfg.n_aux))
+
+    def forward(self, aux: torch.Tensor) -> torch.Tensor:
+        return torch.cat([norm(x) for norm, x in zip(self, aux.chunk(len(self), dim=-1))], dim=-1)
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
@@ -102,13 +134,15 @@ class MidLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def pre_attention(self, embeds, hidden, cos, sin):
+        """(q, k, v, the residual around attention)."""
         c, a = self.cfg, self.self_attn
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        normed = self.hidden_norm(hidden)
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
         t = x.shape[0]
         q = apply_rope(a.q_proj(x).view(t, c.num_heads, c.head_dim), cos, sin)
         k = apply_rope(a.k_proj(x).view(t, c.num_kv_heads, c.head_dim), cos, sin)
         v = a.v_proj(x).view(t, c.num_kv_heads, c.head_dim)
-        return q, k, v
+        return q, k, v, (normed if c.norm_before_residual else hidden)
 
     def post_attention(self, attn_out, residual):
         h = self.self_attn.o_proj(attn_out.flatten(1)) + residual
@@ -197,7 +231,13 @@ class EagleDraft(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.target_vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)  # the target's own embedding, frozen
-        self.fc = nn.Linear(cfg.fc_in, cfg.hidden_size, bias=False)
+        self.fc = FC(cfg)
+        if cfg.norm_before_fc:
+            self.input_norm = RMSNorm(cfg.fc_in, cfg.rms_norm_eps)
+            self.fc.norms = (self.input_norm,)
+        if cfg.fc_norm:
+            self.fc_norm = AuxNorms(cfg)
+            self.fc.norms = (self.fc_norm,)
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
@@ -219,11 +259,16 @@ class EagleDraft(nn.Module):
         return ang.cos() * self.rope_scale, ang.sin() * self.rope_scale
 
     def step(self, embeds, hidden, positions, attn: TTTAttention):
-        """One draft step: (pre-norm state for the next step, normed state for lm_head)."""
+        """One draft step: (the state the next step reads, normed state for lm_head).
+
+        The next step's state is vLLM's second output of the draft: the pre-norm state, or with
+        norm_output the normed one itself.
+        """
         cos, sin = self.rope(positions)
-        q, k, v = self._pre(embeds, hidden, cos, sin)
-        prenorm = self._post(attn(q, k, v), hidden)
-        return prenorm, self.norm(prenorm)
+        q, k, v, residual = self._pre(embeds, hidden, cos, sin)
+        prenorm = self._post(attn(q, k, v), residual)
+        normed = self.norm(prenorm)
+        return (normed if self.cfg.norm_output else prenorm), normed
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights a checkpoint and the export keep: everything but the target's embedding."""

@@ -3,7 +3,7 @@
     python -m remote.evaluate.evaluate --config c.json
     # {"target": "/models/target", "draft_dir": "/runs/r1/export", "data": "/runs/r1/prepare/data.parquet",
     #  "capture_dir": "/runs/r1/capture", "out_dir": "/runs/r1/evaluate", "num_speculative_tokens": 3,
-    #  "online": {"prompts": 32, "max_tokens": 64, "temperature": 0.7}}
+    #  "prompts": 32, "max_tokens": 64, "temperature": 0.7}       (remote/evaluate/config.py: EvaluateConfig)
 
 Offline: the draft runs its chain of `offline_steps` guesses over the held-out split's captured
 states (teacher-forced on the data's tokens, as in training) and each guess is compared with the
@@ -24,70 +24,22 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from remote.evaluate.acceptance import ChainCounts, chain_counts, greedy_walk, leading_right, turn_spans
-from remote.evaluate.online import OnlineConfig, check_draft, measure_online, summary
-from remote.step import BadInput, StepOutput, load_config, log, read_manifest, step_main, write_json_atomic
+from remote.evaluate.config import EvaluateConfig
+from remote.evaluate.online import check_draft, measure_online, summary
+from remote.step import BadInput, begin_step, log, read_manifest, step_main, write_json_atomic
+from remote.train.export import draft_config_from_export
 
 STEP = "evaluate"
 RESULT_FILE = "evaluation.json"
-LOSS_POINTS = 256  # the loss curve kept for the report, at most this many points
-
-
-@dataclass(frozen=True, kw_only=True)
-class EvaluateConfig:
-    target: str  # the target model's folder on this host
-    draft_dir: str  # the exported draft (remote.train.export)
-    data: str  # the prepare step's data.parquet (or folder): held-out prompts for the online run
-    out_dir: str  # where evaluation.json and the manifest go (through out_dir.partial)
-    capture_dir: str = ""  # a finished capture: the offline run reads its held-out samples ("": no offline run)
-    num_speculative_tokens: int = 3  # k: the acceptance length reported is for k speculative tokens
-    offline_steps: int = 0  # chain steps measured offline (0: k); the per-position table shows them all
-    offline_max_tokens: int = 262144  # held-out captured tokens the offline run reads at most
-    token_budget: int = 2048  # tokens per offline batch (dense attention: memory grows with its square)
-    device: str = "auto"  # offline device: "auto" (cuda when there is one), "cuda" or "cpu"
-    run_online: bool = True  # measure in vLLM too
-    online: dict = field(default_factory=dict)  # remote.evaluate.online.OnlineConfig fields (prompts, max_tokens, ...)
-    train_dir: str = ""  # the train step folder (loss curve); "": the one the draft's export manifest names
-    vocab_dir: str = ""  # the vocab step folder (coverage); "": the one the export manifest names
-
-    def __post_init__(self):
-        if self.num_speculative_tokens < 1 or self.offline_steps < 0:
-            raise ValueError("num_speculative_tokens must be >= 1 and offline_steps >= 0")
-        if self.device not in ("auto", "cuda", "cpu"):
-            raise ValueError(f"device={self.device!r}: choose auto, cuda or cpu")
-        if not self.capture_dir and not self.run_online:
-            raise ValueError("nothing to measure: give capture_dir (offline) or run_online=true")
-
-    def online_config(self) -> OnlineConfig:
-        fixed = {"target": self.target, "draft_dir": self.draft_dir, "data": self.data,
-                 "num_speculative_tokens": self.num_speculative_tokens}
-        clash = sorted(set(fixed) & set(self.online))
-        if clash:
-            raise BadInput(f"online: {clash} are set at the top level of the evaluate config, not under online")
-        return load_config(OnlineConfig, {**self.online, **fixed}, where="online")
 
 
 # ----------------------------------------------------------------------------- the draft as a model
-def draft_config_from_export(c: dict):
-    """The DraftConfig of an exported draft's config.json (the inverse of remote.train.export.vllm_config)."""
-    from remote.draft.config import DraftConfig
-
-    heads = int(c["num_attention_heads"])
-    return DraftConfig(
-        hidden_size=int(c["hidden_size"]), num_heads=heads, num_kv_heads=int(c.get("num_key_value_heads") or heads),
-        head_dim=int(c.get("head_dim") or int(c["hidden_size"]) // heads), intermediate_size=int(c["intermediate_size"]),
-        target_vocab_size=int(c["vocab_size"]), draft_vocab_size=int(c["draft_vocab_size"]),
-        aux_layer_ids=tuple(c["eagle_aux_hidden_state_layer_ids"]), rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(c.get("rope_theta", 10000.0)), rope_scaling=c.get("rope_scaling"),
-        max_position_embeddings=int(c.get("max_position_embeddings", 8192)),
-        target_hidden_size=c.get("target_hidden_size"))
-
-
 def load_draft(draft_dir: str, target: str, device: torch.device, dtype: torch.dtype):
     """(EagleDraft with the target's embedding, TargetHead, t2d) for an exported draft folder."""
     from safetensors.torch import load_file
@@ -114,40 +66,78 @@ def load_draft(draft_dir: str, target: str, device: torch.device, dtype: torch.d
 
 
 # ----------------------------------------------------------------------------- offline
-def chain_of_batch(draft, head, b, steps: int, k: int) -> tuple[ChainCounts, int, int]:
-    """Chain counts of one packed batch (start row t, step k guesses token t+2+k from token t+1+k)
-    and (drafts, accepted) of greedy decoding with k speculative tokens replayed along its turns."""
+def chain_of_batch(draft, head, b, steps: int, k: int, attention: str = "dense",
+                   compiled: bool = False) -> tuple[ChainCounts, int, int]:
+    """Chain counts of one packed batch (start row t, step j guesses token t+2+j from token t+1+j:
+    remote.draft.loss.unroll, the training objective's own) and (drafts, accepted) of greedy
+    decoding with k speculative tokens replayed along its turns."""
+    from remote.draft.loss import unroll
     from remote.draft.model import TTTAttention
 
-    t = len(b.input_ids)
-    idx = torch.arange(t, device=b.input_ids.device)
-    attn = TTTAttention(b.doc_ids, "dense")
-    hidden = draft.fc(b.aux)
-    guesses = []
-    for k in range(steps):
-        nxt = (idx + 1 + k).clamp(max=t - 1)  # the token read
-        prenorm, normed = draft.step(draft.embed(b.input_ids[nxt]), hidden, b.positions + k, attn)
-        guesses.append(draft.lm_head(normed).argmax(-1))
-        hidden = prenorm
+    guesses = [draft.lm_head(normed).argmax(-1)
+               for _, normed in unroll(draft, b, steps, TTTAttention(b.doc_ids, attention, compiled))]
     return score_chains(torch.stack(guesses, 1), head, b, k)
 
 
 def score_chains(guesses: torch.Tensor, head, b, k: int) -> tuple[ChainCounts, int, int]:
-    """Chain counts and the greedy replay (drafts, accepted) of a draft's guesses [T, steps] (draft ids;
-    row t, step j guesses token t+2+j) against the target's top-1 on this packed batch."""
+    """Chain counts and the greedy replay (drafts, accepted) of any draft's guesses [T, steps] (draft
+    ids; row t, step j guesses token t+2+j) against the target's top-1 on this packed batch."""
+    from remote.draft.loss import read_rows
+
     t, steps = guesses.shape
-    idx = torch.arange(t, device=b.input_ids.device)
     tgt = head.targets(b, steps)
-    truths, known = [], []
+    truths = []
     for j in range(steps):
-        nxt = (idx + 1 + j).clamp(max=t - 1)  # the token read; the target's top-1 there is the one to match
+        nxt = read_rows(t, j, b.input_ids.device)  # the target's top-1 there is the one to match
         # outside the draft vocabulary the target's choice cannot be guessed: -1 never matches
         truths.append(torch.where(tgt.in_draft[nxt], tgt.logits[nxt].argmax(-1), torch.full_like(nxt, -1)))
-        nj = (idx + 2 + j).clamp(max=t - 1)
-        known.append((idx + 2 + j < t) & (b.doc_ids[nj] == b.doc_ids) & b.loss_mask[nj])
-    g, tr, kn = guesses.cpu(), torch.stack(truths, 1).cpu(), torch.stack(known, 1).cpu()
+    g, tr, kn = guesses.cpu(), torch.stack(truths, 1).cpu(), tgt.known.T.cpu()
     drafts, accepted = greedy_walk(leading_right(g, tr, kn).tolist(), turn_spans(b.loss_mask.cpu(), b.doc_ids.cpu()), k)
     return chain_counts(g, tr, kn), drafts, accepted
+
+
+@dataclass
+class ChainTally:
+    """Chain counts, replayed (drafts, accepted) and tokens, summed over batches (and ranks)."""
+
+    counts: ChainCounts
+    drafts: int = 0
+    accepted: int = 0
+    tokens: int = 0
+
+    def all_reduce(self, dist) -> "ChainTally":
+        """Summed over every rank of a remote.train.state.Distributed."""
+        flat = torch.cat([self.counts.attempts, self.counts.accepted,
+                          torch.tensor([self.drafts, self.accepted, self.tokens])]).to(dist.device)
+        flat = dist.all_reduce(flat).cpu()
+        n = self.counts.steps
+        return ChainTally(ChainCounts(flat[:n], flat[n:2 * n]), *(int(x) for x in flat[2 * n:]))
+
+    def summary(self, k: int) -> dict:
+        """The figures of the offline evaluation (k speculative tokens, every measured step's table)."""
+        c = self.counts
+        return {"acceptance_length": c.acceptance_length(k), "k": k, "tokens": self.tokens,
+                "replayed_acceptance_length": 1 + self.accepted / self.drafts if self.drafts else None,
+                "replayed": {"drafts": self.drafts, "accepted": self.accepted},
+                "acceptance_length_by_k": [c.acceptance_length(j) for j in range(c.steps + 1)], **c.to_dict()}
+
+
+def heldout_plan(index, token_budget: int, max_tokens: int) -> list[list[int]]:
+    """Batches of held-out samples by sample id (a stable subset when max_tokens cuts)."""
+    from remote.draft.data import pack
+
+    order = sorted(range(len(index.refs)), key=lambda i: index.refs[i].sample_id)
+    return pack(index.lengths, token_budget, order, max_tokens)
+
+
+@torch.no_grad()
+def chain_tally(draft, head, batches, steps: int, k: int, attention: str = "dense", compiled: bool = False) -> ChainTally:
+    """Count the draft's chains over packed batches (on the draft's device) that carry their in-draft flags."""
+    tally = ChainTally(ChainCounts.zeros(steps))
+    for b in batches:
+        c, d, a = chain_of_batch(draft, head, b, steps, k, attention, compiled)
+        tally = ChainTally(tally.counts + c, tally.drafts + d, tally.accepted + a, tally.tokens + b.n_tokens)
+    return tally
 
 
 @torch.no_grad()
@@ -164,40 +154,20 @@ def measure_offline(cfg: EvaluateConfig, steps: int) -> dict:
     device, dtype = torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32
     draft, head, t2d = load_draft(cfg.draft_dir, cfg.target, device, dtype)
     t0 = time.perf_counter()
-    k = min(cfg.num_speculative_tokens, steps)
-    counts, tokens, loss_tokens, covered, drafts, accepted = ChainCounts.zeros(steps), 0, 0, 0, 0, 0
-    order = sorted(range(len(index.refs)), key=lambda i: index.refs[i].sample_id)  # a stable subset
-    batches = _batches(order, index.lengths, cfg.token_budget, cfg.offline_max_tokens)
-    for batch in batches:  # seconds even on a CPU: no progress events (the online run's are the step's)
-        b = index.load(batch, cfg.token_budget).to(device, dtype)
-        c, d, a = chain_of_batch(draft, head, b, steps, k)
-        counts, drafts, accepted = counts + c, drafts + d, accepted + a
-        tokens += b.n_tokens
-        loss_ids = b.input_ids[b.loss_mask].cpu()
-        loss_tokens += len(loss_ids)
-        covered += int(t2d[loss_ids].sum())
-    return {"steps": steps, "samples": sum(len(b) for b in batches), "tokens": tokens,
-            "heldout_coverage": covered / loss_tokens if loss_tokens else None,
-            "acceptance_length": counts.acceptance_length(k), "k": k,
-            "replayed_acceptance_length": 1 + accepted / drafts if drafts else None,
-            "replayed": {"drafts": drafts, "accepted": accepted},
-            "acceptance_length_by_k": [counts.acceptance_length(j) for j in range(steps + 1)],
-            **counts.to_dict(), "seconds": time.perf_counter() - t0}
+    plan = heldout_plan(index, cfg.token_budget, cfg.offline_max_tokens)
+    loss_ids = []  # the held-out loss tokens, for the vocabulary's coverage of them
 
+    def batches():  # seconds even on a CPU: no progress events (the online run's are the step's)
+        for p in plan:
+            b = index.load(p, cfg.token_budget)
+            loss_ids.append(b.input_ids[b.loss_mask])
+            yield b.to(device, dtype)
 
-def _batches(order: list[int], lengths: list[int], budget: int, max_tokens: int) -> list[list[int]]:
-    out, cur, used, total = [], [], 0, 0
-    for i in order:
-        n = min(lengths[i], budget)
-        if total + n > max_tokens and out:
-            break
-        if cur and used + n > budget:
-            out.append(cur)
-            cur, used = [], 0
-        cur.append(i)
-        used += n
-        total += n
-    return out + ([cur] if cur else [])
+    tally = chain_tally(draft, head, batches(), steps, min(cfg.num_speculative_tokens, steps))
+    ids = torch.cat(loss_ids)
+    return {"steps": steps, "samples": sum(len(p) for p in plan),
+            "heldout_coverage": int(t2d[ids].sum()) / len(ids) if len(ids) else None,
+            **tally.summary(min(cfg.num_speculative_tokens, steps)), "seconds": time.perf_counter() - t0}
 
 
 # ----------------------------------------------------------------------------- provenance
@@ -217,17 +187,9 @@ def provenance(cfg: EvaluateConfig) -> dict:
         t = train_m.get("train", {})
         out["data_fingerprint"] = t.get("data_fingerprint")
         out["train_figures"] = train_m.get("figures", {})
-        out["loss_curve"] = _loss_curve(Path(train_dir) / t.get("loss_curve", "loss.jsonl"))
+        out["loss_curve"] = t.get("loss_points", [])  # thinned by the train step
+        out["heldout_curve"] = t.get("heldout_points", [])
     return out
-
-
-def _loss_curve(path: Path) -> list[list[float]]:
-    if not path.is_file():
-        return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    every = max(1, len(rows) // LOSS_POINTS)
-    keep = rows[::every] + ([rows[-1]] if rows and (len(rows) - 1) % every else [])
-    return [[r["step"], r["loss"]] for r in keep]
 
 
 # ----------------------------------------------------------------------------- the step
@@ -257,12 +219,10 @@ def figures_of(result: dict) -> dict:
 
 
 def run(raw: dict) -> dict:
-    cfg = load_config(EvaluateConfig, raw)
-    online_cfg = cfg.online_config() if cfg.run_online else None  # its errors are bad input too
-    out = StepOutput(cfg.out_dir, STEP, asdict(cfg))
-    if (m := out.done()) is not None:
-        log(f"evaluate: {cfg.out_dir} is already done")
-        return m
+    cfg, out, done = begin_step(EvaluateConfig, raw, STEP)
+    if done is not None:
+        return done
+    online_cfg = cfg.online_config() if cfg.online else None
     check_draft(cfg.draft_dir, cfg.target)  # before any model is loaded or any engine starts
     t0 = time.perf_counter()
     result: dict = {"provenance": provenance(cfg)}

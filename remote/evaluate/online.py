@@ -32,10 +32,11 @@ import gc
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from remote.step import BadInput, StepOutput, load_config, log, progress, step_main, write_json_atomic
+from remote.evaluate.config import OnlineConfig
+from remote.step import BadInput, begin_step, log, progress, step_main, write_json_atomic
 
 STEP = "online_eval"
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"
@@ -45,43 +46,6 @@ _ARM_ORDER = ("baseline", "eagle3", "previous", "ngram")
 SPEC_COUNTERS = {"drafts": "vllm:spec_decode_num_drafts", "draft_tokens": "vllm:spec_decode_num_draft_tokens",
                  "accepted": "vllm:spec_decode_num_accepted_tokens"}
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
-
-
-@dataclass(frozen=True, kw_only=True)
-class OnlineConfig:
-    target: str  # the target model's folder on this host
-    draft_dir: str  # the exported eagle3 draft folder (remote.train.export)
-    data: str  # the prepare step's data.parquet (or its folder): held-out prompts come from it
-    out_dir: str = ""  # where online.json and the manifest go (only when run as its own step)
-    num_speculative_tokens: int = 3  # k: tokens the draft proposes per target forward
-    prompts: int = 32  # held-out prompts at most
-    max_tokens: int = 64  # tokens generated per prompt (end of sequence ignored, so every arm decodes as much)
-    temperature: float = 0.0  # a second pass at this temperature when > 0 (greedy always runs)
-    baseline: bool = True  # measure the target alone (the speed-up's denominator)
-    ngram: bool = True  # measure vLLM's n-gram (prompt lookup) speculation too
-    ngram_min: int = 2  # shortest n-gram prompt lookup matches
-    ngram_max: int = 4  # longest n-gram prompt lookup matches
-    previous_draft_dir: str = ""  # a previously published draft measured on the same prompts ("": none)
-    max_seconds: float = 300.0  # generation time budget of the baseline arm; the prompt count it reaches is used by all
-    max_num_seqs: int = 8  # requests decoded together (speculation pays most at small batches)
-    tensor_parallel_size: int = 1  # GPUs the target is split over
-    dtype: str = "auto"  # vLLM dtype of the target ("auto": its config's, bf16 on the CPU)
-    gpu_memory_utilization: float = 0.85  # share of each GPU vLLM may take
-    enforce_eager: bool = False  # skip CUDA graphs / torch.compile (always on the CPU, where they cost start time)
-    cpu_kvcache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE on a CPU host (startup fails on memory without it)
-    cpu_threads: int = 0  # torch threads of the in-process CPU engine (0: all cores but one, at least 1)
-    seed: int = 0  # sampling seed of the temperature pass
-
-    def __post_init__(self):
-        for name in ("num_speculative_tokens", "prompts", "max_tokens", "max_num_seqs", "tensor_parallel_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)}: must be at least 1")
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature}: must be >= 0")
-        if not 1 <= self.ngram_min <= self.ngram_max:
-            raise ValueError(f"ngram_min={self.ngram_min}, ngram_max={self.ngram_max}: need 1 <= min <= max")
-        if self.max_seconds <= 0:
-            raise ValueError(f"max_seconds={self.max_seconds}: must be positive")
 
 
 # ----------------------------------------------------------------------------- checks before vLLM
@@ -447,13 +411,9 @@ def summary(report: dict) -> dict:
 
 # ----------------------------------------------------------------------------- as its own step
 def run(raw: dict) -> dict:
-    cfg = load_config(OnlineConfig, raw)
-    if not cfg.out_dir:
-        raise BadInput("out_dir: needed when online_eval runs as its own step")
-    out = StepOutput(cfg.out_dir, STEP, asdict(cfg))
-    if (m := out.done()) is not None:
-        log(f"online_eval: {cfg.out_dir} is already done")
-        return m
+    cfg, out, done = begin_step(OnlineConfig, raw, STEP)  # out_dir may be "" only inside evaluate
+    if done is not None:
+        return done
     report = measure_online(cfg)
     stage = out.open()
     write_json_atomic(stage / "online.json", report)

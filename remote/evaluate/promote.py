@@ -27,33 +27,15 @@ import shutil
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from remote.evaluate.config import CURRENT, PromoteConfig
 from remote.step import BadInput, begin_step, log, step_main, write_json_atomic
 
 STEP = "promote"
-CURRENT = "current"
 RECORD = "promotion.json"
 HISTORY = "history.jsonl"
-
-
-@dataclass(frozen=True, kw_only=True)
-class PromoteConfig:
-    out_dir: str  # this run's promote folder: the decision's manifest
-    drafts_root: str  # <root>/drafts: the promoted drafts and the `current` link
-    candidate_dir: str  # the run's exported draft (a folder vLLM loads)
-    name: str  # the candidate's folder name under drafts_root (the run name)
-    figures: dict  # the candidate's evaluation figures
-    metric: str = "acceptance_length"  # the figure compared; higher is better
-    margin: float = 0.0  # promote only when candidate - current is more than this (same unit as metric)
-    context: dict = field(default_factory=dict)  # kept in the record: run, data fingerprint, warm start...
-
-    def __post_init__(self):
-        if not self.name or "/" in self.name or self.name.startswith(".") or self.name == CURRENT:
-            raise ValueError(f"name={self.name!r}: a plain folder name, not '{CURRENT}', no '/', no leading '.'")
-        if not math.isfinite(self.margin):
-            raise ValueError(f"margin={self.margin}: must be a finite number")
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,9 @@
 
     dist = Distributed.from_env("auto")          # torchrun's env (RANK, WORLD_SIZE...) or one process
     ckpt = Checkpoints(stage / "checkpoints", keep=1)
-    ckpt.save(step, draft, opt, sched, history, dist); ckpt.load_latest(draft, opt, sched, dist)
+    ckpt.save(step, draft, opt, history, dist, config, best_step)   # config: the run's, as a dict
+    ckpt.load_latest(draft, opt, dist, config, free=("log_every",))  # refuses another config by key
+    ckpt.save_best(step, draft, dist); ckpt.best_weights(step)       # the best held-out weights, kept aside
     embed, lm_head, norm = load_target_head_weights(target_dir, draft_config)
 """
 from __future__ import annotations
@@ -117,44 +119,81 @@ def _fsync_tree(d: Path) -> None:
 
 
 class Checkpoints:
-    """step-NNNNNNNN/ folders: model.safetensors, optimizer.pt, state.pt, meta.json.
+    """step-NNNNNNNN/ folders: model.safetensors, optimizer.pt, state.pt, meta.json (step, history, config);
+    best-NNNNNNNN/model.safetensors: the weights of the best held-out evaluation so far.
 
     Written under a dot-name by each host's first rank (every host resumes from its own disk) and
-    renamed when whole: a kill mid-save leaves the previous checkpoint as the newest one.
+    renamed when whole: a kill mid-save leaves the previous checkpoint as the newest one. A best
+    folder is pruned only once a checkpoint names a later best, so the one a resume goes back to
+    is still there; one newer than the checkpoint resumed from is dropped (drop_bests_after).
     """
 
     def __init__(self, root: Path, keep: int = 1):
         self.root, self.keep = Path(root), keep
 
-    def _all(self) -> list[Path]:
+    def _all(self, kind: str = "step") -> list[Path]:
         if not self.root.is_dir():
             return []
-        return sorted(p for p in self.root.glob("step-*") if (p / "meta.json").is_file())
+        return sorted(p for p in self.root.glob(f"{kind}-*") if (p / "meta.json").is_file())
 
-    def save(self, step: int, draft, opt, sched, history: list[dict], dist: Distributed) -> Path:
-        rngs = dist.gather_objects(_rng_state())
-        final = self.root / f"step-{step:08d}"
+    def _write(self, name: str, dist: Distributed, files) -> Path:
+        """On each host's first rank: files(tmp) fills a dot-named folder, renamed to `name` when whole."""
+        final = self.root / name
         if dist.local_rank == 0:
-            tmp = self.root / f".tmp-step-{step:08d}"
+            tmp = self.root / f".tmp-{name}"
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-            save_file({k: v.detach().float().cpu().contiguous() for k, v in draft.trainable_state_dict().items()},
-                      str(tmp / "model.safetensors"))
-            torch.save(opt.state_dict(), tmp / "optimizer.pt")
-            torch.save({"scheduler": sched.state_dict(), "rng": rngs}, tmp / "state.pt")
-            write_json_atomic(tmp / "meta.json", {"step": step, "history": history})
+            files(tmp)
             _fsync_tree(tmp)
+            shutil.rmtree(final, ignore_errors=True)  # a best of the same step written before a kill
             os.replace(tmp, final)
-            for old in self._all()[:-self.keep]:
+        return final
+
+    def save(self, step: int, draft, opt, history: list[dict], dist: Distributed, config: dict,
+             best_step: int | None = None) -> Path:
+        rngs = dist.gather_objects(_rng_state())
+
+        def files(tmp: Path) -> None:
+            save_weights(draft, tmp)
+            torch.save(opt.state_dict(), tmp / "optimizer.pt")
+            torch.save({"rng": rngs}, tmp / "state.pt")
+            write_json_atomic(tmp / "meta.json", {"step": step, "history": history, "config": config})
+
+        final = self._write(f"step-{step:08d}", dist, files)
+        if dist.local_rank == 0:
+            for old in self._all()[:-self.keep] + [b for b in self._all("best") if _step_of(b) != best_step]:
                 shutil.rmtree(old, ignore_errors=True)
         dist.barrier()
         return final
 
-    def load_latest(self, draft, opt, sched, dist: Distributed) -> dict | None:
+    def save_best(self, step: int, draft, dist: Distributed) -> Path:
+        def files(tmp: Path) -> None:
+            save_weights(draft, tmp)
+            write_json_atomic(tmp / "meta.json", {"step": step})
+
+        final = self._write(f"best-{step:08d}", dist, files)
+        dist.barrier()
+        return final
+
+    def best_weights(self, step: int) -> Path:
+        return self.root / f"best-{step:08d}" / "model.safetensors"
+
+    def drop_bests_after(self, step: int, dist: Distributed) -> None:
+        """Best weights kept aside after `step` (the checkpoint resumed from) belong to a run that was cut."""
+        if dist.local_rank == 0:
+            for b in self._all("best"):
+                if _step_of(b) > step:
+                    shutil.rmtree(b, ignore_errors=True)
+        dist.barrier()
+
+    def load_latest(self, draft, opt, dist: Distributed, config: dict, free: tuple[str, ...] = ()) -> dict | None:
+        """Restore the newest checkpoint; a checkpoint of another config (keys outside `free`) is refused by name."""
         found = self._all()
         if not found:
             return None
         p = found[-1]
+        meta = json.loads((p / "meta.json").read_text())
+        _check_same_config(p, meta.get("config"), config, free)
         weights = load_file(str(p / "model.safetensors"), device=str(dist.device))
         missing, unexpected = draft.load_state_dict(weights, strict=False)
         missing = [k for k in missing if not k.startswith("embed_tokens.")]
@@ -163,11 +202,31 @@ class Checkpoints:
                            "delete it or use the config it was trained with")
         opt.load_state_dict(torch.load(p / "optimizer.pt", map_location=dist.device, weights_only=False))
         state = torch.load(p / "state.pt", weights_only=False)
-        sched.load_state_dict(state["scheduler"])
         if len(state["rng"]) == dist.world:
             _set_rng_state(state["rng"][dist.rank])
-        meta = json.loads((p / "meta.json").read_text())
         return {"step": meta["step"], "history": meta["history"], "path": str(p)}
+
+
+def _check_same_config(p: Path, saved: dict | None, config: dict, free: tuple[str, ...]) -> None:
+    """A resumed run continues the same training: any other key that differs is named, with the fix."""
+    if saved is None:
+        raise BadInput(f"checkpoint {p} records no config (written by an older eaglet); delete {p.parent} "
+                       "to train from scratch")
+    config = json.loads(json.dumps(config))  # as the checkpoint stored it (tuples as lists)
+    differ = sorted(k for k in set(saved) | set(config) if k not in free and saved.get(k) != config.get(k))
+    if differ:
+        shown = "; ".join(f"{k}: checkpoint {saved.get(k)!r}, now {config.get(k)!r}" for k in differ)
+        raise BadInput(f"checkpoint {p} was trained with another config ({shown}); resume with the config it was "
+                       f"trained with, or delete {p.parent} to train from scratch")
+
+
+def save_weights(draft, folder: Path) -> None:
+    save_file({k: v.detach().float().cpu().contiguous() for k, v in draft.trainable_state_dict().items()},
+              str(folder / "model.safetensors"))
+
+
+def _step_of(folder: Path) -> int:
+    return int(folder.name.rsplit("-", 1)[1])
 
 
 # ----------------------------------------------------------------------------- the target's weights

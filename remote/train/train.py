@@ -17,11 +17,20 @@ parameters, whose fp32 weights, grads and AdamW moments (16 B/param, <20 GB) fit
 frozen embedding and target head are bf16 copies per GPU. Sharding them would add gathers to every
 step and save memory nobody is short of. Each rank reads only its own micro-batches.
 
-Writes out_dir/model.safetensors (the draft's trained weights, fp32, no embedding),
-draft_config.json, loss.jsonl (one line an optimizer step) and checkpoints/step-N/ (the last one).
-Checkpoints every `checkpoint_every` steps and at the end hold model, optimizer, scheduler, the
-data position (the step: the packing plan is a function of seed and epoch) and every rank's RNG;
-a killed run started again with the same config continues from the newest one exactly.
+The recipe (docs/TRAINING.md): AdamW, or Muon for the hidden weight matrices beside AdamW; a
+linear warmup, then a linear or cosine fall to min_lr_ratio over the budget (max_steps, or
+train_tokens, or epochs, or by default auto_train_tokens' worth of the data). Every `eval_every`
+steps the draft's offline acceptance length on the held-out split is measured with the evaluate
+step's own chain count (remote.evaluate.evaluate.chain_tally, no engine); the best draft is kept
+aside (checkpoints/best-N/) and the run stops after `patience` evaluations without a better one.
+
+Writes out_dir/model.safetensors (the best held-out draft's weights, or the last ones when there
+was no evaluation; fp32, no embedding), draft_config.json, loss.jsonl (one line an optimizer
+step; an evaluation's figures under "heldout") and checkpoints/step-N/ (the last one). Checkpoints
+every `checkpoint_every` steps and at the end hold model, optimiser, the data position (the step:
+the packing plan is a function of seed and epoch, the learning rate of the step), every rank's RNG
+and the config; a killed run started again with the same config continues from the newest one
+exactly, and one started with another config (beyond RESUMABLE_CHANGES) is refused by key.
 """
 from __future__ import annotations
 
@@ -32,73 +41,27 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from remote.capture.store import CaptureSet
 from remote.draft.config import DraftConfig
-from remote.draft.data import CaptureIndex, pack
-from remote.draft.loss import TargetHead, TTTObjective
+from remote.draft.data import CaptureIndex, epoch_order, pack
+from remote.draft.loss import TargetHead, TTTObjective, step_weights
 from remote.draft.model import EagleDraft
-from remote.step import BadInput, StepOutput, emit, load_config, log, progress, step_main, write_json_atomic
-from remote.train.state import Checkpoints, Distributed, load_target_head_weights
+from remote.evaluate.evaluate import chain_tally, heldout_plan
+from remote.step import BadInput, StepOutput, begin_step, emit, log, progress, step_main, write_json_atomic
+from remote.train.config import TrainConfig
+from remote.train.state import Checkpoints, Distributed, load_target_head_weights, save_weights
 from remote.train.vocab import DraftVocab
 
 STEP = "train"
 
 
-@dataclass(frozen=True, kw_only=True)
-class TrainConfig:
-    capture_dir: str  # a finished capture step folder (remote.capture.store format)
-    vocab_dir: str  # a finished vocab step folder (vocab.safetensors)
-    out_dir: str  # where the trained draft goes (through out_dir.partial, which also holds checkpoints)
-    target: str = ""  # the target's folder (config.json, embedding, lm_head, final norm); "": the capture's
-    ttt_steps: int = 7  # unrolled training-time-test steps
-    step_decay: float = 0.8  # loss weight of step k is step_decay**k
-    token_budget: int = 8192  # tokens in one micro-batch of one rank (samples packed, longer ones cut)
-    grad_accum: int = 1  # micro-batches per rank per optimizer step
-    epochs: float = 1.0  # passes over the train split, fractions allowed (ignored when max_steps > 0)
-    max_steps: int = 0  # optimizer steps; 0: as many as the epochs give
-    lr: float = 1e-4  # peak learning rate of AdamW
-    min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
-    warmup_steps: int = 0  # linear warmup steps
-    weight_decay: float = 0.0  # AdamW decoupled weight decay
-    betas: tuple[float, float] = (0.9, 0.95)  # AdamW betas
-    grad_clip: float = 0.5  # max global gradient norm; 0: no clipping
-    checkpoint_every: int = 500  # optimizer steps between checkpoints (one is always written at the end)
-    keep_checkpoints: int = 1  # how many of the newest checkpoints survive
-    seed: int = 0  # draft initialisation and the data order
-    device: str = "auto"  # "auto" (cuda when there is one), "cuda" or "cpu"
-    compile: str = "auto"  # "auto" (on cuda), "yes" or "no": torch.compile the dense layer parts and flex attention
-    pad_multiple: int = 0  # pad each micro-batch to a multiple of this (0: token_budget when compiled, else 1)
-    train_lm_head: bool = True  # train the draft lm_head (False: keep the target's rows frozen)
-    init_lm_head_from_target: bool = True  # start lm_head from the target's rows of the draft vocabulary
-    drop_outside_top1: bool = True  # drop positions whose target top-1 is outside the draft vocabulary
-    draft_overrides: dict = field(default_factory=dict)  # DraftConfig fields that differ from the target's
-    warm_start: str = ""  # an exported draft folder (remote.train.export) to start from; lm_head rows mapped by token
-    nproc_per_node: int = 1  # processes on this host (GPUs, or gloo processes on a CPU)
-    nnodes: int = 1  # hosts in the job
-    node_rank: int = 0  # this host's index (0 runs the rendezvous when rdzv_endpoint is empty)
-    rdzv_endpoint: str = ""  # host:port of the rendezvous for nnodes > 1
-    local_addr: str = ""  # this host's address as the other hosts reach it (torchrun --local-addr); "": its hostname
-    log_every: int = 1  # emit a train event every this many steps
-
-    def __post_init__(self):
-        if self.epochs <= 0:
-            raise ValueError(f"epochs={self.epochs}: must be positive")
-        for name in ("ttt_steps", "token_budget", "grad_accum", "checkpoint_every", "keep_checkpoints",
-                     "nproc_per_node", "nnodes", "log_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)}: must be at least 1")
-        if self.device not in ("auto", "cuda", "cpu"):
-            raise ValueError(f"device={self.device!r}: choose auto, cuda or cpu")
-        if self.compile not in ("auto", "yes", "no"):
-            raise ValueError(f"compile={self.compile!r}: choose auto, yes or no")
-        if self.nnodes > 1 and not self.rdzv_endpoint:
-            raise ValueError(f"nnodes={self.nnodes} needs rdzv_endpoint (host:port of node 0)")
-        object.__setattr__(self, "betas", tuple(self.betas))
+# Settings a resumed run may change: they decide what is logged and kept, not what is trained.
+RESUMABLE_CHANGES = ("checkpoint_every", "keep_checkpoints", "log_every", "rdzv_endpoint", "local_addr")
 
 
 # ----------------------------------------------------------------------------- the run
@@ -117,15 +80,47 @@ class Trainer:
         inputs = resolve_inputs(cfg)
         self.capture, self.vocab, self.dcfg, self.target = inputs
         self.index = CaptureIndex.build(self.capture, split="train")
+        self.heldout = self._heldout_index()
         self._build_model()
-        if self.head.other_rows is not None:
-            self._precompute_in_draft()
         self.micro = dist.local_world * cfg.grad_accum  # micro-batches per optimizer step of this host's ranks
         self.plans = []  # per epoch: the packing plan, cut to whole optimizer steps
-        epochs = math.ceil(cfg.epochs) if not cfg.max_steps else 10 ** 9
+        self.total_steps = self._plan(self._epochs())
+        self.warmup_steps = cfg.warmup_steps or math.ceil(cfg.warmup * self.total_steps)
+        self.eval_every = cfg.eval_every or max(1, math.ceil(self.total_steps / 20))
+        self.opt = build_optimizer(cfg, self.draft, self.cuda)
+        self.ckpt = Checkpoints(stage / "checkpoints", keep=cfg.keep_checkpoints)
+        self.history: list[dict] = []
+        self.step = 0
+        self.my_tokens = 0  # tokens this rank trained on in this run (a resumed run counts from the resume)
+
+    def _heldout_index(self) -> CaptureIndex | None:
+        """This host's held-out samples (None: evaluation off, or this host's capture holds none)."""
+        if not self.cfg.eval_tokens:
+            return None
+        try:
+            return CaptureIndex.build(self.capture, split="heldout")
+        except BadInput:  # the train split was read from the same shards: only "no held-out samples" lands here
+            return None
+
+    def _epochs(self) -> float:
+        """Passes over the train split the budget asks for (max_steps, when set, cuts the plan instead)."""
+        cfg = self.cfg
+        if cfg.max_steps or (cfg.epochs and not cfg.train_tokens):
+            return cfg.epochs or 1.0
+        mine = sum(min(n, cfg.token_budget) for n in self.index.lengths) if self.dist.local_rank == 0 else 0
+        data = float(self.dist.all_reduce(torch.tensor(float(mine), device=self.dist.device)))  # every host's split
+        if cfg.train_tokens:
+            return cfg.train_tokens / data
+        epochs = min(10.0, max(1.0, cfg.auto_train_tokens / data))
+        log(f"train: {epochs:.2f} epochs of {data:.0f} train tokens (about auto_train_tokens={cfg.auto_train_tokens})")
+        return epochs
+
+    def _plan(self, epochs: float) -> int:
+        """Pack each epoch into whole optimizer steps (as many on every host); the number of steps to train."""
+        cfg, dist = self.cfg, self.dist
         steps = 0
-        for e in range(epochs):
-            plan = pack(self.index.lengths, cfg.token_budget, cfg.seed, e)
+        for e in range(math.ceil(epochs) if not cfg.max_steps else 10 ** 9):
+            plan = pack(self.index.lengths, cfg.token_budget, epoch_order(len(self.index.refs), cfg.seed, e))
             n = int(dist.all_reduce(torch.tensor(len(plan) // self.micro, device=dist.device), op="min"))
             if n == 0:
                 raise BadInput(f"{len(plan)} micro-batches of {cfg.token_budget} tokens (on the host with the fewest) "
@@ -135,14 +130,7 @@ class Trainer:
             steps += n
             if cfg.max_steps and steps >= cfg.max_steps:
                 break
-        self.total_steps = cfg.max_steps or max(1, round(steps * cfg.epochs / math.ceil(cfg.epochs)))
-        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
-                                     fused=self.cuda or None)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self._lr_factor)
-        self.ckpt = Checkpoints(stage / "checkpoints", keep=cfg.keep_checkpoints)
-        self.history: list[dict] = []
-        self.step = 0
-        self.my_tokens = 0  # tokens this rank trained on in this run (a resumed run counts from the resume)
+        return cfg.max_steps or max(1, round(steps * epochs / math.ceil(epochs)))
 
     def _build_model(self):
         cfg, dev = self.cfg, self.dist.device
@@ -160,12 +148,23 @@ class Trainer:
         if self.compiled:
             draft.compile_layers()
         self.draft = draft
-        self.head = TargetHead.from_weights(norm_w, lm_head, self.vocab.t2d, self.dcfg.rms_norm_eps,
-                                            cfg.drop_outside_top1).to(dev, self.dtype)
-        self.objective = TTTObjective(draft, cfg.ttt_steps, cfg.step_decay, "flex" if self.cuda else "dense",
-                                      compiled=self.compiled)
+        # The full head answers "is the target's top-1 a draft token" once a sample (train samples when
+        # the loss drops the others, held-out ones always: the evaluation scores them as misses).
+        full = TargetHead.from_weights(norm_w, lm_head, self.vocab.t2d, self.dcfg.rms_norm_eps).to(dev, self.dtype)
+        if full.other_rows is not None:
+            if cfg.drop_outside_top1:
+                self._precompute_in_draft(full, self.index)
+            if self.heldout is not None:
+                self._precompute_in_draft(full, self.heldout)
+        full.other_rows = None  # the steps need only the draft rows
+        self.head = full
+        self.objective = TTTObjective(draft, cfg.ttt_steps, cfg.step_decay, self._attention, compiled=self.compiled)
         self.model = self.dist.wrap(self.objective)
         self.params = [p for p in draft.parameters() if p.requires_grad]
+
+    @property
+    def _attention(self) -> str:
+        return "flex" if self.cuda else "dense"
 
     def _warm_start(self, draft: EagleDraft) -> None:
         """Start from an exported draft (the nightly retrain): every weight as it is, but lm_head by token.
@@ -218,14 +217,6 @@ class Trainer:
         shared = old_ids[at] == new_ids
         return at[shared], shared.nonzero().flatten()
 
-    def _lr_factor(self, s: int) -> float:
-        w = self.cfg.warmup_steps
-        if s < w:
-            return (s + 1) / w
-        frac = (s - w) / max(1, self.total_steps - w)
-        r = self.cfg.min_lr_ratio
-        return r + (1 - r) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
-
     def _my_batches(self, step: int) -> list[list[int]]:
         """This rank's micro-batches of an optimizer step (data sharded by rank)."""
         for plan in self.plans:
@@ -237,14 +228,13 @@ class Trainer:
         raise AssertionError("step beyond the data plan")
 
     @torch.no_grad()
-    def _precompute_in_draft(self) -> None:
+    def _precompute_in_draft(self, head: TargetHead, index: CaptureIndex) -> None:
         """The full-vocabulary top-1 check, once a sample instead of every epoch's step.
 
         Rank r checks every world-th sample, in batches of token_budget rows; the flags are summed
-        over the ranks so every rank holds all of them. The target's other lm_head rows are dropped
-        afterwards (the step then only needs the draft rows).
+        over the ranks so every rank holds all of them.
         """
-        t0, dev, lengths = time.perf_counter(), self.dist.device, self.index.lengths
+        t0, dev, lengths = time.perf_counter(), self.dist.device, index.lengths
         offsets = [0]
         for n in lengths:
             offsets.append(offsets[-1] + n)
@@ -257,23 +247,37 @@ class Trainer:
             rows += lengths[i]
             if j + 1 < len(mine) and rows + lengths[mine[j + 1]] <= self.cfg.token_budget:
                 continue
-            last = torch.cat(self.index.last_states(group)).to(dev, self.dtype)
+            last = torch.cat(index.last_states(group)).to(dev, self.dtype)
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.cuda):
-                f = self.head.in_draft(last)
+                f = head.in_draft(last)
             pos = 0
             for g in group:
                 flat[offsets[g]:offsets[g + 1]] = f[pos:pos + lengths[g]]
                 pos += lengths[g]
             group, rows = [], 0
         flat = self.dist.all_reduce(flat, node=True).cpu()
-        self.index.set_in_draft([flat[offsets[i]:offsets[i + 1]] for i in range(len(lengths))])
-        self.head.other_rows = None
+        index.set_in_draft([flat[offsets[i]:offsets[i + 1]] for i in range(len(lengths))])
         share = float(flat.float().mean()) if len(flat) else 0.0
-        log(f"train: target top-1 inside the draft vocabulary at {share:.2%} of {len(flat)} train positions "
-            f"({time.perf_counter() - t0:.1f} s, once)")
+        log(f"train: target top-1 inside the draft vocabulary at {share:.2%} of {len(flat)} "
+            f"{'train' if index is self.index else 'held-out'} positions ({time.perf_counter() - t0:.1f} s, once)")
+
+    @torch.no_grad()
+    def evaluate(self) -> dict | None:
+        """Offline acceptance on the held-out split (remote.evaluate.evaluate's own chain count), every
+        host's samples, split over its ranks and summed; None when no host holds any."""
+        cfg, dist = self.cfg, self.dist
+        k = min(cfg.eval_k, cfg.ttt_steps)
+        plan = [] if self.heldout is None else heldout_plan(self.heldout, cfg.token_budget,
+                                                            max(1, cfg.eval_tokens // cfg.nnodes))
+        batches = (self.heldout.load(p, cfg.token_budget, self.pad).to(dist.device, self.dtype)
+                   for p in plan[dist.local_rank::dist.local_world])
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.cuda):
+            tally = chain_tally(self.draft, self.head, batches, k, k, self._attention, self.compiled)
+        tally = tally.all_reduce(dist)
+        return tally.summary(k) if tally.tokens else None
 
     def resume(self) -> None:
-        state = self.ckpt.load_latest(self.draft, self.opt, self.sched, self.dist)
+        state = self.ckpt.load_latest(self.draft, self.opt, self.dist, asdict(self.cfg), RESUMABLE_CHANGES)
         if state is not None:
             self.step, self.history = state["step"], state["history"]
             log(f"train: resumed at step {self.step} from {state['path']}")
@@ -283,36 +287,58 @@ class Trainer:
         t0 = time.perf_counter()
         host = [self.index.load(b, cfg.token_budget, self.pad) for b in self._my_batches(self.step)]
         batches = [b.to(dev, self.dtype) for b in host]
+        lr = self.opt.set_lr(lr_factor(self.step, self.total_steps, self.warmup_steps, cfg.schedule, cfg.min_lr_ratio))
         stats, gnorm = optimizer_step(self.model, self.head, batches, self.opt, self.params, self.dist,
                                       cfg.ttt_steps, cfg.grad_clip)
-        self.sched.step()
         mine = sum(b.n_tokens for b in host)
         self.my_tokens += mine
         tokens = self.dist.all_reduce(torch.tensor(float(mine), device=dev))
         n = stats[:, 2].clamp(min=1)
         per_step = stats[:, 0] / n
-        weights = torch.tensor([cfg.step_decay ** k for k in range(cfg.ttt_steps)], device=dev)
+        weights = torch.tensor(step_weights(cfg.ttt_steps, cfg.step_decay), device=dev)
         dt = time.perf_counter() - t0
         self.step += 1
         return {"step": self.step, "loss": float((weights * per_step).sum()),
                 "acc": [round(float(a), 6) for a in stats[:, 1] / n], "ce": [float(c) for c in per_step],
-                "lr": self.opt.param_groups[0]["lr"], "grad_norm": float(gnorm), "tokens": int(tokens), "seconds": dt}
+                "lr": lr, "grad_norm": float(gnorm), "tokens": int(tokens), "seconds": dt}
+
+    def _evaluate_now(self, rec: dict) -> None:
+        """Held-out evaluation when one is due: into the step's record, a new best kept aside."""
+        if self.cfg.eval_tokens == 0 or (self.step % self.eval_every and self.step < self.total_steps):
+            return
+        heldout = self.evaluate()
+        if heldout is None:
+            return
+        rec["heldout"] = heldout
+        best = best_eval(self.history + [rec])
+        if best is rec:
+            self.ckpt.save_best(self.step, self.draft, self.dist)
+        if self.dist.local_rank == 0:
+            emit("heldout", step=self.step, acceptance_length=heldout["acceptance_length"],
+                 replayed_acceptance_length=heldout["replayed_acceptance_length"], best_step=best["step"])
 
     def run(self) -> dict:
         self.resume()
+        self.ckpt.drop_bests_after(self.step, self.dist)  # kept aside after the checkpoint resumed from
         t_start, tokens = time.perf_counter(), 0
-        while self.step < self.total_steps:
+        while self.step < self.total_steps and not self.stopped_early:
             rec = self.train_step()
+            self._evaluate_now(rec)
             self.history.append(rec)
             tokens += rec["tokens"]
             if self.dist.local_rank == 0 and (self.step % self.cfg.log_every == 0 or self.step == self.total_steps):
                 emit("train", step=rec["step"], loss=rec["loss"], acc=rec["acc"], lr=rec["lr"],
                      tokens_per_s=rec["tokens"] / rec["seconds"])
                 progress(self.step, self.total_steps, what="steps", loss=round(rec["loss"], 4))
-            if self.step % self.cfg.checkpoint_every == 0 or self.step == self.total_steps:
-                path = self.ckpt.save(self.step, self.draft, self.opt, self.sched, self.history, self.dist)
+            if self.step % self.cfg.checkpoint_every == 0 or self.step == self.total_steps or self.stopped_early:
+                best = best_eval(self.history)
+                path = self.ckpt.save(self.step, self.draft, self.opt, self.history, self.dist, asdict(self.cfg),
+                                      best_step=best["step"] if best else None)
                 if self.dist.local_rank == 0:
                     emit("checkpoint", step=self.step, path=str(path))
+        if self.stopped_early:
+            log(f"train: stopped early at step {self.step}: {self.cfg.patience} evaluations without a better "
+                f"held-out acceptance length than step {best_eval(self.history)['step']}'s")
         elapsed = time.perf_counter() - t_start
         by_node: dict[str, int] = {}
         for node, n in self.dist.gather_objects((self.cfg.node_rank, self.my_tokens)):
@@ -320,10 +346,97 @@ class Trainer:
         return {"tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0, "train_seconds": elapsed,
                 "tokens_by_node": by_node}
 
+    @property
+    def stopped_early(self) -> bool:
+        """patience evaluations since the best one (every rank decides alike: the figures are all-reduced)."""
+        best = best_eval(self.history)
+        if not self.cfg.patience or best is None:
+            return False
+        return sum(1 for r in self.history if "heldout" in r and r["step"] > best["step"]) >= self.cfg.patience
+
+
+def best_eval(history: list[dict]) -> dict | None:
+    """The step record with the highest held-out acceptance length (the earliest of equals); None: no evaluation.
+
+    The expected acceptance length (every held-out position a chain start) decides rather than the
+    replayed one: it counts every position, so it moves less from one evaluation to the next."""
+    best = None
+    for r in history:
+        if "heldout" in r and (best is None or r["heldout"]["acceptance_length"] > best["heldout"]["acceptance_length"]):
+            best = r
+    return best
+
+
+# ----------------------------------------------------------------------------- the optimiser
+def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: float) -> float:
+    """The learning rate of optimizer step `step` (from 0) as a share of the peak: a linear warmup
+    over `warmup` steps, then down to min_ratio at `total`, along a line or a half cosine."""
+    if step < warmup:
+        return (step + 1) / warmup
+    frac = min(1.0, (step - warmup) / max(1, total - warmup))
+    fall = 1 - frac if schedule == "linear" else 0.5 * (1 + math.cos(math.pi * frac))
+    return min_ratio + (1 - min_ratio) * fall
+
+
+class Optimizers:
+    """AdamW alone, or Muon beside it: stepped, zeroed, saved and scheduled as one optimiser.
+
+    The schedule sets each group's lr to its peak (`peak_lr`, kept in the group and so in the
+    checkpoint) times the step's factor: the learning rate is a function of the step alone.
+    """
+
+    def __init__(self, parts: dict[str, torch.optim.Optimizer]):
+        self.parts = parts
+        for g in self.param_groups:
+            g["peak_lr"] = g["lr"]
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for o in self.parts.values() for g in o.param_groups]
+
+    def set_lr(self, factor: float) -> float:
+        """Every group at factor x its peak; returns the first group's lr (what the log shows)."""
+        for g in self.param_groups:
+            g["lr"] = g["peak_lr"] * factor
+        return self.param_groups[0]["lr"]
+
+    def step(self) -> None:
+        for o in self.parts.values():
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.parts.values():
+            o.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {name: o.state_dict() for name, o in self.parts.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if set(state) != set(self.parts):
+            raise BadInput(f"the checkpoint's optimiser holds {sorted(state)}, this run's {sorted(self.parts)}")
+        for name, o in self.parts.items():
+            o.load_state_dict(state[name])
+
+
+def build_optimizer(cfg: TrainConfig, draft: EagleDraft, cuda: bool) -> Optimizers:
+    """AdamW for every trainable weight, or (optimizer "muon") Muon for the 2-D hidden matrices (fc, attention,
+    MLP) and AdamW for norms and lm_head (an output layer: Muon's orthogonalised step suits hidden layers)."""
+    named = [(n, p) for n, p in draft.named_parameters() if p.requires_grad]
+    muon = [p for n, p in named if cfg.optimizer == "muon" and p.ndim == 2 and not n.startswith("lm_head.")]
+    rest = [p for n, p in named if not any(p is q for q in muon)]
+    parts = {"adamw": torch.optim.AdamW(rest, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
+                                        fused=cuda or None)}
+    if muon:
+        parts["muon"] = torch.optim.Muon(muon, lr=cfg.muon_lr or cfg.lr, momentum=cfg.muon_momentum,
+                                         weight_decay=cfg.muon_weight_decay, adjust_lr_fn="match_rms_adamw")
+    return Optimizers(parts)
+
 
 def optimizer_step(model, head: TargetHead, batches, opt, params, dist: Distributed, ttt_steps: int,
                    grad_clip: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step over this rank's micro-batches: targets, forward, loss, backward, clip, AdamW.
+    """One optimizer step over this rank's micro-batches: targets, forward, loss, backward, clip, step.
+
+    `opt` is anything with step() and zero_grad(set_to_none=...): Optimizers, or a torch optimiser.
 
     Returns the global per-TTT-step stats [K, 3] (CE sum, top-1 agreements, counted positions) and
     the gradient norm. The loss is normalised by the global count of each step's positions, so any
@@ -366,11 +479,24 @@ def resolve_inputs(cfg: TrainConfig):
     return capture, vocab, dcfg, target
 
 
-def _loss_points(history: list[dict], most: int = 256) -> list[list[float]]:
-    """[step, loss] pairs for a plot: every step, or an even subsample ending at the last."""
+def _curves(history: list[dict], most: int = 256) -> dict:
+    """The manifest's curves: [step, loss] at every step or an even subsample ending at the last (the
+    one thinning; the evaluate report reads these), and [step, acceptance length, replayed] of every
+    held-out evaluation."""
     every = max(1, math.ceil(len(history) / most))
     keep = history[::every] + ([history[-1]] if (len(history) - 1) % every else [])
-    return [[r["step"], round(r["loss"], 6)] for r in keep]
+    return {"loss_points": [[r["step"], round(r["loss"], 6)] for r in keep],
+            "heldout_points": [[r["step"], r["heldout"]["acceptance_length"], r["heldout"]["replayed_acceptance_length"]]
+                               for r in history if "heldout" in r]}
+
+
+def _heldout_figures(trainer: "Trainer") -> dict:
+    best = best_eval(trainer.history)
+    if best is None:
+        return {}
+    return {"best_step": best["step"], "heldout_acceptance_length": best["heldout"]["acceptance_length"],
+            "heldout_replayed_acceptance_length": best["heldout"]["replayed_acceptance_length"],
+            "heldout_k": best["heldout"]["k"], "stopped_early": trainer.stopped_early}
 
 
 def _fingerprint(capture_dir: str) -> str:
@@ -383,11 +509,7 @@ def _fingerprint(capture_dir: str) -> str:
     return str(json.loads(prepared.read_text()).get("fingerprint", "")) if prepared and prepared.is_file() else ""
 
 
-def train(cfg: TrainConfig) -> dict | None:
-    out = StepOutput(cfg.out_dir, STEP, asdict(cfg))
-    if (m := out.done()) is not None:
-        log(f"train: {cfg.out_dir} is already done")
-        return m
+def train(cfg: TrainConfig, out: StepOutput) -> dict | None:
     dist = Distributed.from_env(cfg.device)
     stage = out.staging
     if dist.local_rank == 0:
@@ -400,7 +522,7 @@ def train(cfg: TrainConfig) -> dict | None:
         (stage / f"bad_input.rank{dist.rank}.txt").write_text(str(e))  # the launcher reads it back
         raise
     last = trainer.history[-1]
-    figures.update(final_loss=last["loss"], final_acc=last["acc"], steps=trainer.step)
+    figures.update(final_loss=last["loss"], final_acc=last["acc"], steps=trainer.step, **_heldout_figures(trainer))
     counts = {"train_samples": len(trainer.index.refs), "steps": trainer.step, "world_size": dist.world,
               "nnodes": cfg.nnodes, "tokens": sum(r["tokens"] for r in trainer.history)}
     dist.barrier()
@@ -410,37 +532,37 @@ def train(cfg: TrainConfig) -> dict | None:
     dist.barrier()  # the other hosts say they are done only once node 0 has published the draft
     if dist.local_rank == 0 and cfg.node_rank > 0:
         m = out.publish(counts=counts, figures=figures,
-                        train={"node_rank": cfg.node_rank, "draft_on_node": 0, "loss_points": _loss_points(trainer.history)})
+                        train={"node_rank": cfg.node_rank, "draft_on_node": 0, **_curves(trainer.history)})
     dist.close()
     return m
 
 
 def _publish_draft(cfg: TrainConfig, out: StepOutput, trainer: Trainer, counts: dict, figures: dict) -> dict:
-    """Write the trained draft (weights, config, loss curve) into the staging folder and publish it."""
-    from safetensors.torch import save_file
-
+    """Write the draft (the best held-out weights when there were evaluations, else the last ones), its
+    config and the loss curve into the staging folder and publish it."""
     stage = out.staging
-    save_file({k: v.detach().float().cpu().contiguous() for k, v in trainer.draft.trainable_state_dict().items()},
-              str(stage / "model.safetensors"))
+    best = best_eval(trainer.history)
+    if best is not None:
+        shutil.copyfile(trainer.ckpt.best_weights(best["step"]), stage / "model.safetensors")
+    else:
+        save_weights(trainer.draft, stage)
     write_json_atomic(stage / "draft_config.json", trainer.dcfg.to_dict())
     (stage / "loss.jsonl").write_text("".join(json.dumps(r) + "\n" for r in trainer.history))
     return out.publish(
         counts=counts,
         figures=figures,
         train={"weights": "model.safetensors", "draft_config": "draft_config.json", "loss_curve": "loss.jsonl",
+               "weights_step": best["step"] if best else trainer.step,
                "layer_ids": list(trainer.capture.layer_ids), "target": str(trainer.target),
                "capture_dir": cfg.capture_dir, "vocab_dir": cfg.vocab_dir, "data_fingerprint": _fingerprint(cfg.capture_dir),
-               "loss_points": _loss_points(trainer.history)},
+               **_curves(trainer.history)},
     )
 
 
 # ----------------------------------------------------------------------------- launching
-def launch(cfg: TrainConfig, raw: dict) -> dict | None:
+def launch(cfg: TrainConfig, raw: dict, out: StepOutput) -> dict | None:
     """Run this step under torchrun (several processes) and map its outcome to ours."""
     resolve_inputs(cfg)  # a bad input fails here, with exit 65, before any process starts
-    out = StepOutput(cfg.out_dir, STEP, asdict(cfg))
-    if (m := out.done()) is not None:
-        return m
     stage = out.open()
     for f in stage.glob("bad_input.rank*.txt"):
         f.unlink()
@@ -464,14 +586,17 @@ def launch(cfg: TrainConfig, raw: dict) -> dict | None:
         raise BadInput(bad[0].read_text())
     if rc != 0:
         raise RuntimeError(f"torchrun exited {rc}")
-    return StepOutput(cfg.out_dir, STEP, asdict(cfg)).done()
+    return out.done()
 
 
 def run(raw: dict) -> dict | None:
-    cfg = load_config(TrainConfig, raw)
+    # every process of a torchrun job starts here too: begin_step only reads when a step resumes
+    cfg, out, done = begin_step(TrainConfig, raw, STEP, resumes=True)
+    if done is not None:
+        return done
     if (cfg.nproc_per_node > 1 or cfg.nnodes > 1) and "EAGLET_UNDER_TORCHRUN" not in os.environ:
-        return launch(cfg, raw)
-    return train(cfg)
+        return launch(cfg, raw, out)
+    return train(cfg, out)
 
 
 def main(argv: list[str] | None = None) -> int:

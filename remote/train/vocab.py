@@ -28,24 +28,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from remote.step import BadInput, begin_step, log, progress, step_main
+from remote.train.config import VocabConfig
 
 STEP = "vocab"
 VOCAB_FILE = "vocab.safetensors"
-
-
-@dataclass(frozen=True, kw_only=True)
-class VocabConfig:
-    data: str  # the prepare step's folder or its data.parquet
-    out_dir: str  # where vocab.safetensors and manifest.json go (through out_dir.partial)
-    target: str = ""  # the target's folder (config.json gives the vocabulary size); or set target_vocab_size
-    target_vocab_size: int = 0  # rows of the target's embedding; 0: read from target/config.json
-    draft_vocab_size: int = 32000  # N: the most frequent loss tokens kept
-
-    def __post_init__(self):
-        if self.draft_vocab_size < 1:
-            raise ValueError(f"draft_vocab_size={self.draft_vocab_size}: must be at least 1")
-        if not self.target and self.target_vocab_size < 1:
-            raise ValueError("give target (a model folder) or target_vocab_size")
 
 
 @dataclass(frozen=True)

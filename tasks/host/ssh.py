@@ -1,9 +1,9 @@
 """The SSH kind of host: Fabric for commands and SFTP for files, host keys checked by default.
 
     host = open_host(HostParams(kind="ssh", hostname="gpu1", user="me", root="/data/eaglet",
-                                key_secret="gpu1-key"))      # see tasks/hosts.py for the interface
+                                key_secret="gpu1-key"))      # see tasks/host/base.py for the interface
 
-Every command crosses as one line of shlex-quoted words (`remote_command`), so bash, zsh and dash
+Every command crosses as one line of single-quoted words (`remote_command`), so bash, zsh and dash
 login shells run it word for word. A key not in known_hosts is refused unless
 `trust_unknown_host_key`; a changed key is always refused. Keys and passphrases come from Prefect
 Secret blocks at connect time (or a key file, or the SSH agent) and are never logged.
@@ -17,7 +17,7 @@ import io
 import logging
 import os
 import posixpath
-import shlex
+import re
 import socket
 import stat
 import threading
@@ -30,19 +30,25 @@ import fabric
 import invoke
 import paramiko
 
+from remote.guard import HEARTBEAT_ENV, LOST_AFTER_BEATS
 from tasks.errors import BadInputError, CommandTimedOut, EagletError, HostKeyRefused, HostUnreachable, LoginRefused
-from tasks.hosts import (KILL_GRACE_S, CommandResult, Host, HostParams, LineSplitter, argv_words, check_env_names,
-                         command_result)
+from tasks.host.base import KILL_GRACE_S, CommandResult, Host, LineSplitter, argv_words, command_result
+from tasks.host.params import HostParams, check_env_names
 
 log = logging.getLogger("eaglet.hosts")
+# Words left bare: no shell expands these characters anywhere in a word. shlex.quote also leaves
+# `=`, `:`, `@`, `%`, `+` and `,` bare, but zsh expands `=cmd` (and `k==cmd` under magic_equal_subst).
+BARE_WORD = re.compile(r"[A-Za-z0-9_./-]+\Z")
+HEARTBEAT_S = 10.0  # a byte down every command's stdin this often: the controller is alive (remote.guard)
+LOST_AFTER_S = LOST_AFTER_BEATS * HEARTBEAT_S  # silence that ends a step on the host, and our connection
 
 
 def remote_command(argv: Sequence[str], cwd: str | None = None, env: Mapping[str, str] | None = None,
                    timeout: float | None = None) -> str:
     """One line any POSIX-ish login shell (bash, zsh, dash) runs as `argv`, word for word.
 
-    `cd -- DIR && env K=V ... timeout -k 5 N prog args...`: every word shlex-quoted, so nothing in an
-    argument is ever expanded; coreutils `timeout` ends the command's process group on the host.
+    `cd -- DIR && env K=V ... timeout -k 5 N prog args...`: every word quoted (`shell_word`), so nothing
+    in an argument is ever expanded; coreutils `timeout` ends the command's process group on the host.
     """
     words: list[str] = []
     if env:
@@ -50,8 +56,16 @@ def remote_command(argv: Sequence[str], cwd: str | None = None, env: Mapping[str
     if timeout is not None:
         words += ["timeout", "-k", str(KILL_GRACE_S), f"{max(timeout, 0.001):.3f}"]
     words += argv_words(argv)
-    line = " ".join(shlex.quote(w) for w in words)
-    return f"cd -- {shlex.quote(cwd)} && {line}" if cwd else line
+    line = " ".join(map(shell_word, words))
+    return f"cd -- {shell_word(cwd)} && {line}" if cwd else line
+
+
+def shell_word(word: str) -> str:
+    """word as bash, zsh (whatever its options) and dash read it back, byte for byte: bare when it holds
+    only characters no shell expands, else single-quoted (a quote inside becomes '\\'')."""
+    if "\0" in word:  # the shell would cut the word there (LocalHost's Popen refuses it the same way)
+        raise ValueError(f"a NUL byte cannot cross a command line: {word!r}")
+    return word if BARE_WORD.match(word) else "'" + word.replace("'", "'\\''") + "'"
 
 
 def fingerprint(key) -> str:
@@ -65,11 +79,10 @@ class SSHHost(Host):
 
     def __init__(self, params: HostParams):
         super().__init__(params)
-        self.name = params.name or (params.hostname if params.port == 22 else f"{params.hostname}:{params.port}")
         self.python = params.python or "python3"
         self.known_hosts = os.path.expanduser(params.known_hosts or "~/.ssh/known_hosts")
         # An explicit, empty SSH config: every setting comes from HostParams, none from ~/.ssh/config.
-        config = fabric.Config(ssh_config=paramiko.SSHConfig())
+        config = fabric.Config(ssh_config=paramiko.SSHConfig(), overrides={"runners": {"remote": HeartbeatRemote}})
         self._conn = fabric.Connection(params.hostname, user=params.user, port=params.port, config=config)
         self._lock = threading.RLock()
         self._sftp = None
@@ -118,6 +131,7 @@ class SSHHost(Host):
         self._conn.connect_kwargs = kwargs
         try:
             self._conn.open()
+            _fail_unacknowledged_after(self._conn.transport.sock, LOST_AFTER_S)
         except paramiko.BadHostKeyException as e:
             raise HostKeyRefused(self._changed_key_message(e.key, e.expected_key)) from None
         except paramiko.SSHException as e:
@@ -162,35 +176,42 @@ class SSHHost(Host):
                 raise HostUnreachable(f"{self.name}: {what}: {e}") from e  # "Socket is closed" and kin
             raise
 
-    def _refused_unknown_message(self, hostname: str, key) -> str:
+    @property
+    def key_entry(self) -> str:
+        """How known_hosts names this host: `gpu1`, or `[gpu1]:2222` on a port other than 22."""
         p = self.params
-        return (f"host key of {hostname} (port {p.port}) is unknown: it offers {fingerprint(key)}, "
+        return p.hostname if p.port == 22 else f"[{p.hostname}]:{p.port}"
+
+    def _refused_unknown_message(self, key) -> str:
+        p, known = self.params, shell_word(self.known_hosts)
+        return (f"host key of {self.key_entry} is unknown: it offers {fingerprint(key)}, "
                 f"which is not in {self.known_hosts}. Check that fingerprint with the host's owner "
                 "(`ssh-keygen -lf /etc/ssh/ssh_host_*_key.pub` there), "
-                f"then trust it: `ssh-keyscan -p {p.port} {p.hostname} >> {self.known_hosts}`, "
+                f"then trust it: `ssh-keyscan -p {p.port} {shell_word(p.hostname)} >> {known}`, "
                 "or run once with trust_unknown_host_key=true (the key is then recorded).")
 
     def _changed_key_message(self, got, expected) -> str:
-        p = self.params
-        entry = p.hostname if p.port == 22 else f"[{p.hostname}]:{p.port}"
-        return (f"host key of {p.hostname} (port {p.port}) CHANGED: it offers {fingerprint(got)}, but "
+        return (f"host key of {self.key_entry} CHANGED: it offers {fingerprint(got)}, but "
                 f"{self.known_hosts} holds {fingerprint(expected)}. The host may have been reinstalled, or "
                 "someone is in the middle. If you know why it changed, remove the old key with "
-                f"`ssh-keygen -R '{entry}' -f {self.known_hosts}` and trust the new one. Refused.")
+                f"`ssh-keygen -R {shell_word(self.key_entry)} -f {shell_word(self.known_hosts)}` and trust the "
+                "new one. Refused.")
 
     # -- commands ----------------------------------------------------------------------
     def run(self, argv, *, cwd=None, env=None, timeout=None, on_line=None) -> CommandResult:
-        command = remote_command(argv, cwd, {**self.params.env, **(env or {})}, timeout)
+        command = remote_command(argv, cwd, {**self.params.env, **(env or {}), HEARTBEAT_ENV: f"{HEARTBEAT_S:g}"},
+                                 timeout)
         out, err = LineSplitter("stdout", on_line), LineSplitter("stderr", on_line)
         # Fabric's own timeout is only a backstop for a hung connection: `timeout` on the host acts first.
-        # in_stream=False sends nothing and never closes the command's stdin: it reads end of file only
-        # when the session ends, which is how remote.guard knows that the controller has gone.
+        # The command's stdin gets a heartbeat byte every HEARTBEAT_S (HeartbeatRemote) and is never closed:
+        # it reads end of file only when the session ends, silence when the network is lost; either way
+        # remote.guard knows that the controller has gone.
         backstop = None if timeout is None else timeout + KILL_GRACE_S + self.params.connect_timeout
         started = time.monotonic()
         with self._faults(f"run {argv[0]}"):
             conn = self._connected()
             try:
-                r = conn.run(command, hide=False, warn=True, pty=False, in_stream=False, encoding="utf-8",
+                r = conn.run(command, hide=False, warn=True, pty=False, in_stream=True, encoding="utf-8",
                              out_stream=out, err_stream=err, timeout=backstop)
                 code = r.exited
             except invoke.CommandTimedOut:
@@ -291,6 +312,25 @@ class SSHHost(Host):
             self._conn.close()
 
 
+class HeartbeatRemote(fabric.runners.Remote):
+    """Fabric's runner, whose stdin thread sends the command a heartbeat byte every HEARTBEAT_S until it
+    ends, instead of copying a stream (run it with in_stream=True, so that the thread starts)."""
+
+    def handle_stdin(self, input_, output, echo=False) -> None:
+        while not self.program_finished.wait(HEARTBEAT_S):
+            try:
+                self.channel.sendall(b"\n")
+            except OSError:  # the channel closed: the command ended, or the connection dropped
+                return
+
+
+def _fail_unacknowledged_after(sock, seconds: float) -> None:
+    """A connection whose data (a heartbeat, a file) goes unacknowledged this long fails, so a lost host
+    is reported as unreachable then instead of after TCP's retries (about 15 minutes). Linux only."""
+    if isinstance(sock, socket.socket) and hasattr(socket, "TCP_USER_TIMEOUT"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(seconds * 1000))
+
+
 class RefuseUnknownKey(paramiko.RejectPolicy):
     """The default: a key not in known_hosts is refused, with the fingerprint and how to trust it."""
 
@@ -298,7 +338,7 @@ class RefuseUnknownKey(paramiko.RejectPolicy):
         self.host = host
 
     def missing_host_key(self, client, hostname, key):
-        raise HostKeyRefused(self.host._refused_unknown_message(hostname, key))
+        raise HostKeyRefused(self.host._refused_unknown_message(key))
 
 
 class RecordUnknownKey(RefuseUnknownKey):
@@ -328,7 +368,10 @@ def _parse_private_key(text: str, passphrase: str | None, where: str):
             return cls.from_private_key(io.StringIO(text), password=passphrase)
         except paramiko.PasswordRequiredException:
             raise LoginRefused(f"the key in Secret block {where!r} is encrypted: name its passphrase in passphrase_secret") from None
-        except (paramiko.SSHException, ValueError):
+        # A damaged key fails deep in paramiko (IndexError, AssertionError, ValueError, SSHException...):
+        # whatever it raises, the text is not a readable key of this type.
+        except Exception:  # noqa: BLE001
             continue
-    raise BadInputError(f"Secret block {where!r} holds no private key that can be read (OpenSSH ed25519, ECDSA or RSA)"
-                        + (" with that passphrase" if passphrase else ""))
+    raise BadInputError(f"Secret block {where!r} holds no private key that can be read (OpenSSH ed25519, ECDSA or RSA"
+                        + (", with that passphrase" if passphrase else "")
+                        + "): it may be damaged or truncated; save the whole key file there, BEGIN and END lines included")

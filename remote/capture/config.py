@@ -1,0 +1,92 @@
+"""The configs of the capture stage's steps: patch_worker, capture (standard library only, so the
+controller imports them; remote/config.py says how a config is checked)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from remote.config import Checked, ConfigError, bounded
+
+# backend name -> "module:Class" (remote.capture.backend.make_backend builds it); Backend lists the names
+BACKENDS = {
+    "vllm": "remote.capture.backend_vllm:VllmCapture",
+    "transformers": "remote.capture.backend_transformers:HfCapture",
+}
+Backend = Literal[tuple(BACKENDS)]
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PatchWorkerOptions(Checked):
+    """What the capture worker is checked for before the capture starts."""
+
+    tensor_parallel_size: int = bounded(1, ge=1)
+    """GPUs the target is split over (8 on a Kimi-K2.5 host; CPU ranks on a CPU host)"""
+    layer_ids: list[int] | None = None
+    """aux hidden-state indices (HF numbering); none: (2, N//2, N-3)"""
+    gpu_memory_utilization: float = bounded(0.85, gt=0, le=1)
+    """share of each GPU's memory vLLM may take"""
+    cpu_kvcache_gib: int = bounded(2, ge=1)
+    """KV cache per rank on a CPU host (VLLM_CPU_KVCACHE_SPACE), GiB"""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CaptureOptions(PatchWorkerOptions):
+    """How the target's hidden states are captured (the worker check takes its part of these)."""
+
+    backend: Backend = "vllm"
+    """vllm: the serving engine, tensor parallel; transformers: the numerical reference, for targets vLLM cannot load"""
+    samples_per_shard: int = bounded(256, ge=1)
+    """samples packed in one capture shard (the unit of resume)"""
+    max_shard_gib: float = bounded(4.0, gt=0)
+    """a shard also closes before it would pass this size (GiB): bounds memory"""
+    max_num_seqs: int = bounded(64, ge=1)
+    """requests in flight in the engine (vllm)"""
+    max_num_batched_tokens: int = bounded(8192, ge=1)
+    """tokens of one forward pass: vLLM's step budget, the transformers backend's pack size"""
+    dtype: Literal[DTYPES] = "auto"
+    """of the forward and the shards; auto: the target's own (config.json)"""
+    max_model_len: int = bounded(0, ge=0)
+    """vLLM's context length; 0: the longest sample + 1"""
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """transformers backend: auto (cuda when there is one), cuda or cpu"""
+    engine_start_s: float = bounded(1800.0, gt=0)
+    """seconds vLLM may take to start (load the weights, warm up); then it fails"""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PatchWorkerConfig(PatchWorkerOptions):
+    target: str
+    """the target model folder on this host (config.json is read, weights are not)"""
+    out_dir: str
+    """this step's folder (its manifest)"""
+    trust_remote_code: bool = False
+    """let vLLM run the target's own config code"""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CaptureConfig(CaptureOptions):
+    dataset: str
+    """the prepare step's data.parquet (sample_id, input_ids, loss_mask, length, split)"""
+    target: str
+    """the target model folder on this host (HF layout: config.json, safetensors, tokenizer)"""
+    out_dir: str
+    """this step's folder; it holds the manifest, the shards live in the cache"""
+    cache_root: str
+    """the host's cache folder: shards are kept in <cache_root>/captures/<key>/"""
+    target_revision: str = ""
+    """a label for the weights, part of the cache key; "": hashes of the target's files"""
+    trust_remote_code: bool = False
+    """let vLLM / transformers run the target's own code (its config classes)"""
+    host_part: int = bounded(0, ge=0)
+    """this host's part of a run over host_parts hosts: it captures only the samples with
+    remote.data.prepare.host_of(sample_id, host_parts) == host_part"""
+    host_parts: int = bounded(1, ge=1)
+    """hosts that share the capture (1: this one captures all of them)"""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.host_part < self.host_parts:
+            raise ConfigError(f"host_part={self.host_part} of host_parts={self.host_parts}: need 0 <= host_part < host_parts")
+        if self.backend == "transformers" and self.tensor_parallel_size != 1:
+            raise ConfigError("the transformers backend runs on one device: set tensor_parallel_size=1")

@@ -1,0 +1,148 @@
+"""The configs of the evaluate stage's steps: evaluate, online_eval, promote (standard library only,
+so the controller imports them; remote/config.py says how a config is checked)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from remote.config import Checked, ConfigError, bounded, pick
+
+CURRENT = "current"  # drafts/current: the link to the promoted draft
+
+
+@dataclass(frozen=True, kw_only=True)
+class OnlineOptions(Checked):
+    """The measurement in vLLM: the draft as its eagle3 speculator, beside the baselines."""
+
+    num_speculative_tokens: int = bounded(3, ge=1)
+    """k: tokens the draft proposes per step in vLLM (the acceptance length reported is for k)"""
+    prompts: int = bounded(32, ge=1)
+    """held-out prompts generated for, at most"""
+    max_tokens: int = bounded(64, ge=1)
+    """tokens generated per prompt (end of sequence ignored, so every arm decodes as much)"""
+    temperature: float = bounded(0.0, ge=0)
+    """sampling temperature of the second online run (0: greedy only)"""
+    baseline: bool = True
+    """also decode with the target alone: the speed-up's denominator"""
+    ngram: bool = True
+    """also measure vLLM's n-gram (prompt lookup) speculation, a draft-free baseline"""
+    ngram_min: int = bounded(2, ge=1)
+    """shortest n-gram prompt lookup matches"""
+    ngram_max: int = bounded(4, ge=1)
+    """longest n-gram prompt lookup matches"""
+    max_seconds: float = bounded(300.0, gt=0)
+    """generation time budget of the baseline arm; the prompts it reaches are used by every arm"""
+    max_num_seqs: int = bounded(8, ge=1)
+    """requests decoded together online (speculation pays most at small batches)"""
+    tensor_parallel_size: int = bounded(1, ge=1)
+    """GPUs the target is split over in the online run"""
+    dtype: str = "auto"
+    """vLLM dtype of the target online (auto: its config's, bf16 on the CPU)"""
+    gpu_memory_utilization: float = bounded(0.85, gt=0, le=1)
+    """share of each GPU vLLM may take online"""
+    enforce_eager: bool = False
+    """skip CUDA graphs / torch.compile (always on the CPU, where they cost start time)"""
+    cpu_kvcache_gib: int = bounded(1, ge=1)
+    """VLLM_CPU_KVCACHE_SPACE on a CPU host, GiB (startup fails on memory without it)"""
+    cpu_threads: int = bounded(0, ge=0)
+    """torch threads of the in-process CPU engine (0: all cores but one, at least 1)"""
+    seed: int = 0
+    """sampling seed of the temperature pass"""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.ngram_min > self.ngram_max:
+            raise ConfigError(f"ngram_min={self.ngram_min}, ngram_max={self.ngram_max}: need 1 <= min <= max")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OnlineConfig(OnlineOptions):
+    target: str
+    """the target model's folder on this host"""
+    draft_dir: str
+    """the exported eagle3 draft folder (remote.train.export)"""
+    data: str
+    """the prepare step's data.parquet (or its folder): held-out prompts come from it"""
+    out_dir: str = ""
+    """where online.json and the manifest go (only when run as its own step)"""
+    previous_draft_dir: str = ""
+    """a previously published draft measured on the same prompts ("": none)"""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvaluateOptions(OnlineOptions):
+    """The draft's evaluation: offline on held-out captures, online in vLLM (OnlineOptions)."""
+
+    online: bool = True
+    """measure acceptance in vLLM on the host (not only offline)"""
+    offline_steps: int = bounded(0, ge=0)
+    """chain steps measured offline (0: num_speculative_tokens); the per-position table shows them all"""
+    offline_max_tokens: int = bounded(262144, ge=1)
+    """held-out captured tokens the offline run reads at most"""
+    token_budget: int = bounded(2048, ge=16)
+    """tokens per offline batch (dense attention: memory grows with its square)"""
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """offline device: auto (cuda when there is one), cuda or cpu"""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvaluateConfig(EvaluateOptions):
+    target: str
+    """the target model's folder on this host"""
+    draft_dir: str
+    """the exported draft (remote.train.export)"""
+    data: str
+    """the prepare step's data.parquet (or folder): held-out prompts for the online run"""
+    out_dir: str
+    """where evaluation.json and the manifest go (through out_dir.partial)"""
+    capture_dir: str = ""
+    """a finished capture: the offline run reads its held-out samples ("": no offline run)"""
+    previous_draft_dir: str = ""
+    """a previously published draft measured online on the same prompts ("": none)"""
+    train_dir: str = ""
+    """the train step folder (loss curve); "": the one the draft's export manifest names"""
+    vocab_dir: str = ""
+    """the vocab step folder (coverage); "": the one the export manifest names"""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.capture_dir and not self.online:
+            raise ConfigError("online: nothing to measure: give capture_dir (offline) or online=true")
+
+    def online_config(self) -> OnlineConfig:
+        return OnlineConfig(**pick(OnlineOptions, self), target=self.target, draft_dir=self.draft_dir, data=self.data,
+                            previous_draft_dir=self.previous_draft_dir)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PromoteOptions(Checked):
+    """When a draft replaces the published one."""
+
+    metric: str = "acceptance_length"
+    """the evaluation figure compared (higher is better)"""
+    margin: float = bounded(0.05, ge=0)
+    """promote only when the metric beats the current draft's by more than this"""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PromoteConfig(PromoteOptions):
+    out_dir: str
+    """this run's promote folder: the decision's manifest"""
+    drafts_root: str
+    """<root>/drafts: the promoted drafts and the `current` link"""
+    candidate_dir: str
+    """the run's exported draft (a folder vLLM loads)"""
+    name: str
+    """the candidate's folder name under drafts_root (the run name)"""
+    figures: dict
+    """the candidate's evaluation figures"""
+    context: dict = field(default_factory=dict)
+    """kept in the record: run, data fingerprint, warm start..."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.name or "/" in self.name or self.name.startswith(".") or self.name == CURRENT:
+            raise ConfigError(f"name={self.name!r}: a plain folder name, not '{CURRENT}', no '/', no leading '.'")
+        if not math.isfinite(self.margin):
+            raise ConfigError(f"margin={self.margin}: must be a finite number")

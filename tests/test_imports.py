@@ -1,0 +1,71 @@
+"""What the packages may import: remote/ runs on the host without Prefect or Fabric, the step
+configs load on the controller without torch or vLLM, and tasks/ imports no module that imports it
+back (each module can be read, and imported, on its own)."""
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _files(package: str) -> dict[str, Path]:
+    """module name -> its file, for every module of a package (subpackages too)."""
+    return {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+            for p in (ROOT / package).rglob("*.py")}
+
+
+def _modules(package: str) -> list[str]:
+    return sorted(_files(package))
+
+
+def _loaded_after_importing(modules: list[str], watched: list[str]) -> list[str]:
+    """Which of `watched` a fresh interpreter holds after importing `modules` (and nothing else)."""
+    code = ("import importlib, json, sys\n"
+            f"for m in {modules!r}: importlib.import_module(m)\n"
+            f"print(json.dumps(sorted(w for w in {watched!r} if w in sys.modules)))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_remote_imports_neither_prefect_nor_fabric():
+    modules = _modules("remote")
+    assert "remote.step" in modules and "remote.capture.backend_vllm" in modules
+    assert _loaded_after_importing(modules, ["prefect", "fabric", "paramiko", "invoke"]) == []
+
+
+def test_step_configs_import_the_standard_library_only():
+    configs = [m for m in _modules("remote") if m.endswith(".config") and m != "remote.draft.config"]
+    assert len(configs) == 5, configs  # remote.config and one a stage: data, capture, train, evaluate
+    assert _loaded_after_importing(configs, ["torch", "numpy", "vllm", "transformers", "pydantic", "prefect"]) == []
+
+
+def _imports(path: Path) -> set[str]:
+    """The tasks.* modules a tasks/ file imports when it is loaded (module-level statements)."""
+    found = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tasks."):
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("tasks.")}
+    return found
+
+
+def test_tasks_have_no_import_cycle():
+    graph = {m: _imports(path) for m, path in _files("tasks").items()}
+    state: dict[str, str] = {}
+
+    def visit(m: str, path: list[str]) -> None:
+        if state.get(m) == "done":
+            return
+        assert state.get(m) != "open", "import cycle: " + " -> ".join(path[path.index(m):] + [m])
+        state[m] = "open"
+        for n in sorted(graph.get(m, ())):
+            visit(n, path + [m])
+        state[m] = "done"
+
+    for m in sorted(graph):
+        visit(m, [])
+    assert graph["tasks.train"] >= {"tasks.context"}, "the walk reads the real imports"
