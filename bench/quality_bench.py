@@ -10,9 +10,16 @@ order; checked against a prepare of 5,000): `--subset-rows 4468`. On the H200 (t
 capture; no vLLM there), with PACK/a and PACK/b joined into smollm2.gguf beside data.parquet:
 
     python3 bench/quality_bench.py --gguf smollm2.gguf --prepared data.parquet --subset-rows 4468 \
-        --arms budget --parallel 8 --deadline 540 --cache-root /dev/shm/qb --work /root/qb/work --out $OUT
+        --arms budget --deadline 540 --cache-root /dev/shm/qb --work /root/qb/work --out $OUT
     python3 bench/quality_bench.py --model-dir /root/qb/work/model --prepared data.parquet \
         --arms ten-minutes --calibrate --cache-root /dev/shm/qb --work /root/qb/work --out $OUT
+
+Seen there (2026-12-03): conversion and data selection about 45 s; the transformers capture runs
+at 37k tokens/s alone even into /dev/shm (the first 5,000 conversations in 111 s, so all of them
+in about 210 s: its one-thread copy-and-write path, not the disk, bounds it), 14k beside two trainers. Arms in
+parallel on the one GPU do not pay: processes time-slice it (no MPS), so 8 arms at once made
+eaglet's top-1 pre-pass 200 s instead of seconds and no arm finished in 9 minutes; run them one
+after another (the default) and order a preset by importance.
 
 The CPU dress rehearsal (a tiny random target of SmolLM2's vocabulary, a few rows, a few steps of
 every arm; the same code paths, compiled ones on a GPU):
@@ -29,9 +36,9 @@ their data ("subset": the first --subset-rows samples; "all": every one); an arm
 captures its data itself into a fresh cache, timed as its own (the 10-minute arm: capture +
 training + offline evaluation within budget_seconds, training sized to what is left: --tokens-per-s
 and --startup-s are its estimates of the trainer, or --calibrate reads them from what the eaglet
-arms of an earlier run in the same work folder measured). Arms run --parallel at a time (each a process on
-the one GPU: the small draft leaves it mostly idle); `concurrent` in each record names the arms that ran
-beside it, so its wall time is read with that. Results go to OUT/quality.json, rewritten as each
+arms of an earlier run in the same work folder measured). Arms run one after another, or --parallel at a
+time (each a process; `concurrent` in each record names the arms that ran beside it, so its wall
+time is read with that). Results go to OUT/quality.json, rewritten as each
 arm ends; an arm marked keep leaves its draft in OUT/draft-<name>.tar (the lm_head left out when
 it is the target's rows: `--unpack` puts it back here, from the target; a tar over 15 MiB comes in
 pieces .00, .01, ... to join with cat).
@@ -182,7 +189,7 @@ def run_arm(arm: dict, shared: dict, model: str, a, work: Path, t_start: float, 
         rec["seconds"]["evaluate"], em = run_step("evaluate", {
             "target": model, "draft_dir": str(folder / "export"), "data": own["data"],
             "capture_dir": own["capture_dir"], "out_dir": str(folder / "evaluate"), "num_speculative_tokens": K,
-            "run_online": False}, folder, left())
+            "online": False}, folder, left())
         f = em["figures"]
         rec["offline"] = {"acceptance_length": f.get("offline_acceptance_length"),
                           "replayed": f.get("offline_replayed_acceptance_length"),
