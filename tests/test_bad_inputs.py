@@ -34,8 +34,8 @@ import pytest
 from remote.capture import capture
 from remote.data import prepare
 from remote.step import EXIT_BAD_INPUT
+from tests.fixtures.capture import random_samples, write_dataset
 from tests.fixtures.limits import deadline
-from tests.test_capture_vllm import random_samples, write_dataset
 
 NOBODY = 65534
 

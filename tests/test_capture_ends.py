@@ -21,8 +21,8 @@ import numpy as np
 import psutil
 import pytest
 
+from tests.fixtures.capture import kill_group, random_samples, start_step, write_dataset
 from tests.fixtures.models import make_tiny_llama
-from tests.test_capture_vllm import _kill_group, random_samples, start_step, write_dataset
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,7 @@ class Step:
         return out
 
     def end(self) -> None:
-        _kill_group(self.proc)
+        kill_group(self.proc)
         self._watch.join(5)
 
 

@@ -18,7 +18,7 @@ from remote.capture.backend_transformers import HfCapture
 from remote.capture.capture import CaptureConfig
 from remote.capture.layers import TargetConfig
 from remote.step import BadInput, sha256_file
-from tests.test_capture_vllm import capture_into, captured, random_samples, write_dataset
+from tests.fixtures.capture import capture_into, captured, random_samples, write_dataset
 
 REPO = Path(__file__).resolve().parent.parent
 LAYERS = (2, 4, 5)

@@ -11,8 +11,8 @@ import pytest
 from remote.capture.backend_vllm import VllmCapture
 from remote.capture.capture import CaptureConfig
 from remote.capture.layers import TargetConfig, default_layer_ids
+from tests.fixtures.capture import HfReference, assert_matches_hf, capture_into, captured, random_samples
 from tests.fixtures.kimi import load_hf_kimi, tiny_kimi  # noqa: F401 - the fixture
-from tests.test_capture_vllm import HfReference, assert_matches_hf, capture_into, captured, random_samples
 
 
 @pytest.mark.vllm

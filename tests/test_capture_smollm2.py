@@ -19,7 +19,7 @@ from remote.data import prepare
 from remote.capture.capture import run
 from remote.capture.cache import SampleRow
 from remote.capture.store import CaptureSet
-from tests.test_capture_vllm import HfReference, assert_matches_hf
+from tests.fixtures.capture import HfReference, assert_matches_hf
 
 TEST_CACHE = Path(os.environ.get("EAGLET_TEST_CACHE", "/tmp/eaglet-test-cache"))
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.fixtures.capture import random_samples, write_dataset
 from tests.fixtures.models import make_tiny_llama
-from tests.test_capture_vllm import random_samples, write_dataset
 
 
 @pytest.mark.slow

@@ -8,93 +8,25 @@ nothing. One in-process engine for the module (vLLM starts in 20-30 s), two in t
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 
-from remote.capture.backend import Progress
 from remote.capture.backend_vllm import VllmCapture
 from remote.capture.capture import CaptureConfig
-from remote.capture.cache import CaptureCache, SampleRow, cache_key
 from remote.capture.backend_transformers import HfCapture
 from remote.capture.store import CaptureSet, read_shard
 from remote.capture.layers import TargetConfig, default_layer_ids
 from remote.step import EXIT_BAD_INPUT
+from tests.fixtures.capture import (HfReference, assert_matches_hf, capture_into, captured, kill_group, random_samples,
+                                    start_step, write_dataset)
 from tests.fixtures.models import make_tiny_llama
 
-REPO = Path(__file__).resolve().parent.parent
-
 STEP_TOKENS = 64  # vLLM's token budget per pass: longer prompts are chunked
-
-
-def random_samples(lengths, vocab: int, seed: int = 0, prefix: str = "s") -> list[SampleRow]:
-    rng = np.random.default_rng(seed)
-    return [SampleRow(f"{prefix}{i:04d}{n:04d}" + "0" * 8, "train" if i % 3 else "heldout",
-                      rng.integers(3, vocab, n).astype(np.int32), (rng.random(n) > 0.3).astype(np.uint8))
-            for i, n in enumerate(lengths)]
-
-
-def capture_into(cache_root: Path, backend, target: Path, samples, layer_ids, samples_per_shard: int = 3):
-    """What remote.capture.capture.run does between reading the data and writing the manifest."""
-    with CaptureCache.open(cache_root, *cache_key(target, "", layer_ids, "float32")) as cache:
-        plans, _ = cache.plan(samples, samples_per_shard, 2**30, 1)
-        detail = backend.capture(plans, cache.add, Progress(len(samples), sum(p.tokens for p in plans)))
-        return cache.shards_for(samples), detail
-
-
-def captured(shards) -> dict:
-    return {s.sample_id: s for shard in shards for s in read_shard(shard)}
-
-
-class HfReference:
-    """transformers' own forward, one sample at a time: output_hidden_states, and the last layer's output."""
-
-    def __init__(self, model_dir: Path, layers_of=lambda m: m.model.layers, model=None):
-        from transformers import AutoModelForCausalLM
-
-        self.model = model if model is not None else AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        self.last = {}
-        layers_of(self.model)[-1].register_forward_hook(lambda m, a, o: self.last.__setitem__("h", o[0] if isinstance(o, tuple) else o))
-
-    def states(self, ids: np.ndarray, layer_ids) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(aux [T, n*H], final pre-norm [T, H], HF's post-norm last hidden state [T, H])."""
-        with torch.no_grad():
-            hs = self.model(input_ids=torch.from_numpy(ids).long()[None], output_hidden_states=True).hidden_states
-        return torch.cat([hs[i][0] for i in layer_ids], -1), self.last["h"][0], hs[-1][0]
-
-
-def assert_matches_hf(ref: HfReference, samples, got: dict, layer_ids, final_norm, atol: float = 1e-4,
-                      per_token_scale: bool = False) -> float:
-    """Every sample's states within |captured - HF| < atol; with per_token_scale, within atol times
-    max(1, the token's largest |HF| value) (for targets with huge activations). Returns the largest."""
-    worst = 0.0
-
-    def excess(a, b):
-        scale = b.abs().amax(-1, keepdim=True).clamp(min=1.0) if per_token_scale else 1.0
-        return ((a - b).abs() / scale).max().item()
-
-    for s in samples:
-        c = got[s.sample_id]
-        assert c.split == s.split and np.array_equal(c.input_ids.numpy(), s.input_ids)
-        assert np.array_equal(c.loss_mask.numpy(), s.loss_mask)
-        aux, last, post_norm = ref.states(s.input_ids, layer_ids)
-        assert c.hidden_states.dtype == torch.float32 and c.hidden_states.shape == aux.shape
-        worst = max(worst, excess(c.hidden_states, aux), excess(c.last_hidden_state, last))
-        # the final state is the pre-norm one: the target's own norm turns it into HF's last hidden state
-        # (1e-3: the norm's weights magnify the rounding; a pre/post mix-up is off by O(1))
-        with torch.no_grad():
-            assert excess(final_norm(c.last_hidden_state), post_norm) < 1e-3
-    assert worst < atol, f"max {'scaled ' if per_token_scale else ''}abs diff {worst}"
-    return worst
 
 
 @pytest.fixture(scope="module")
@@ -163,41 +95,13 @@ def test_the_transformers_backend_writes_the_same_shards(engine, reference, llam
         assert (v[sid].hidden_states - h[sid].hidden_states).abs().max() < 1e-4
 
 
-def write_dataset(path: Path, samples) -> Path:
-    pq.write_table(pa.table({
-        "sample_id": [s.sample_id for s in samples],
-        "input_ids": pa.array([s.input_ids.tolist() for s in samples], pa.list_(pa.int32())),
-        "loss_mask": pa.array([s.loss_mask.tolist() for s in samples], pa.list_(pa.int8())),
-        "length": pa.array([s.input_ids.size for s in samples], pa.int32()),
-        "split": [s.split for s in samples]}), path)
-    return path
-
-
-def start_step(tmp: Path, name: str, config: dict) -> tuple[subprocess.Popen, Path]:
-    cfg, log = tmp / f"{name}.config.json", tmp / f"{name}.log"
-    cfg.write_text(json.dumps(config))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "EAGLET_CODE_HASH": "test"}
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "remote.capture.capture", "--config", str(cfg)], cwd=REPO, env=env,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    return proc, log
-
-
 def run_step(tmp: Path, name: str, config: dict, timeout: float = 400) -> tuple[int, str]:
     proc, log = start_step(tmp, name, config)
     try:
         code = proc.wait(timeout=timeout)
     finally:
-        _kill_group(proc)
+        kill_group(proc)
     return code, log.read_text()
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """End what is left of a step we started (vLLM's engine and worker processes) by its group id."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +134,7 @@ def test_tp2_killed_and_resumed_equals_tp1(setup, engine):
             break
         time.sleep(0.02)
     proc.wait(timeout=60)
-    _kill_group(proc)
+    kill_group(proc)
     assert shards_dir is not None and proc.returncode == -signal.SIGKILL, log_path.read_text()[-3000:]
     left = sorted(p.name for p in shards_dir.glob("shard-*.safetensors"))
     assert 2 <= len(left) < len(ref_shards), left  # really half-way

@@ -1,7 +1,7 @@
 """The draft options vLLM 0.32's eagle3 Llama draft reads (norm_before_fc, fc_norm, norm_before_residual,
-norm_output), in plain torch: each against the slow reference of tests/test_draft_model.py, which
-writes every option the way vLLM's llama_eagle3.py applies it (the loss and gradients with options
-on are tested there). The engine side (vLLM's own forward of the exported draft) is
+norm_output), in plain torch: each against the slow reference of tests/fixtures/draft.py, which
+writes every option the way vLLM's llama_eagle3.py applies it (tests/test_draft_model.py tests the
+loss and gradients with options on). The engine side (vLLM's own forward of the exported draft) is
 tests/test_export_options.py."""
 import dataclasses
 import itertools
@@ -12,7 +12,7 @@ import torch
 from remote.draft.config import DraftConfig
 from remote.draft.model import EagleDraft, TTTAttention
 from remote.train.export import OPTIONS as FLAGS  # the DraftConfig fields the export writes for vLLM
-from tests.test_draft_model import CFG, K, OPTION_SETS, _batch, _reference_states, _rms, _setup
+from tests.fixtures.draft import CFG, K, OPTION_SETS, batch, reference_states, rms, setup
 
 OPTIONS = {
     "norm_before_fc": {"norm_before_fc": True},
@@ -47,12 +47,12 @@ COMBINATIONS = {"+".join(k for k, v in zip(FLAGS, bits) if v) or "none": dict(zi
 
 @pytest.mark.parametrize("name", list(COMBINATIONS))
 def test_every_combination_matches_the_reference(name):
-    draft, _, _ = _setup(cfg=_cfg(COMBINATIONS[name]))
-    b = _batch([9, 14, 6])
-    ref = _reference_states(draft, b)
+    draft, _, _ = setup(cfg=_cfg(COMBINATIONS[name]))
+    b = batch([9, 14, 6])
+    ref = reference_states(draft, b)
     with torch.no_grad():
         for k, (state, normed) in enumerate(_run(draft, b)):
-            want_normed = _rms(ref[k], draft.norm.weight)
+            want_normed = rms(ref[k], draft.norm.weight)
             want_state = want_normed if draft.cfg.norm_output else ref[k]
             assert (normed - want_normed).abs().max() < 1e-4, f"{name} step {k}: normed state"
             assert (state - want_state).abs().max() < 1e-4, f"{name} step {k}: the state handed on"
@@ -61,10 +61,10 @@ def test_every_combination_matches_the_reference(name):
 @pytest.mark.parametrize("name", ["norm_before_fc", "fc_norm", "norm_before_residual", "norm_output"])
 def test_each_option_changes_what_the_draft_computes(name):
     """Else the comparisons above could not tell an option from its absence."""
-    plain, _, _ = _setup(seed=5)
-    draft, _, _ = _setup(seed=5, cfg=_cfg(OPTIONS[name]))
+    plain, _, _ = setup(seed=5)
+    draft, _, _ = setup(seed=5, cfg=_cfg(OPTIONS[name]))
     draft.load_state_dict(plain.state_dict(), strict=False)  # the same shared weights; the new norms stay as set
-    b = _batch([10, 8], seed=5)
+    b = batch([10, 8], seed=5)
     with torch.no_grad():
         a, o = _run(plain, b, 2), _run(draft, b, 2)
     step = 1 if name == "norm_output" else 0  # norm_output changes only what step 1 reads

