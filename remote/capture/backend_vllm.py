@@ -124,6 +124,8 @@ class VllmCapture:
         if on_cpu and self.target.is_mla:
             # vLLM's CPU rotary kernel is wrong for MLA's 3-D query (FACTS.md); the native one is right
             kw["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
+            if self.dtype == "float32":  # on a CPU with AMX vLLM picks its AMX MLA kernels, which take no float32
+                kw["attention_backend"] = "CPU_MLA"
         return kw
 
     def start(self) -> None:
