@@ -12,7 +12,6 @@ last layer's output before the final norm (HF's own hidden_states[N] has the nor
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -20,6 +19,7 @@ from typing import Sequence
 from torch import nn
 
 from remote.step import BadInput
+from remote.target import read_config, text_settings
 
 # Tried in order. Plain decoders (vLLM and HF) keep them at .model.layers; multimodal wrappers keep
 # the text model under language_model: a *ForCausalLM in vLLM 0.32 (Kimi-K2.5), a bare *Model in the
@@ -86,20 +86,8 @@ class TargetConfig:
     @classmethod
     def read(cls, target: str | Path) -> "TargetConfig":
         target = Path(target)
-        try:
-            config = json.loads((target / "config.json").read_text())
-        except FileNotFoundError:
-            raise BadInput(f"target {target}: no config.json (expected a HF model folder)") from None
-        except json.JSONDecodeError as e:
-            raise BadInput(f"target {target}: config.json is not valid JSON: {e}") from e
-        # multimodal wrappers nest the text model's settings in text_config (or language_config)
-        text = config.get("text_config") or config.get("language_config") or {}
-
-        def get(key: str):
-            for node in (text, config):
-                if node.get(key) is not None:
-                    return node[key]
-            return None
+        config = read_config(target)
+        get = text_settings(config).get
 
         missing = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size") if not isinstance(get(k), int)]
         if missing:

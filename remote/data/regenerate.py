@@ -55,6 +55,7 @@ from typing import Iterator
 from remote.data.chat_data import BadRecord, Conversation, ReadReport, input_files, read_conversations
 from remote.data.config import RegenerateConfig, RegenerateOptions
 from remote.step import BadInput, begin_step, emit, log, progress, step_main
+from remote.target import read_config, text_settings
 
 STEP = "regenerate"
 OUTPUT = "conversations.jsonl"
@@ -324,10 +325,9 @@ def context_length(cfg: RegenerateConfig) -> int:
     """The engine's context: max_model_len, or the target's max_position_embeddings."""
     if cfg.max_model_len:
         return cfg.max_model_len
-    config = json.loads(Path(cfg.target, "config.json").read_text())
-    for node in (config.get("text_config") or {}, config):
-        if isinstance(node.get("max_position_embeddings"), int):
-            return node["max_position_embeddings"]
+    context = text_settings(read_config(cfg.target)).get("max_position_embeddings")
+    if isinstance(context, int):
+        return context
     raise BadInput(f"target {cfg.target}: config.json has no max_position_embeddings; set max_model_len")
 
 

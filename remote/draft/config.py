@@ -9,7 +9,6 @@ but the draft vocabulary comes from the target (FACTS.md, "EAGLE-3 conventions")
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -113,7 +112,9 @@ class DraftConfig:
 
     @classmethod
     def from_target_dir(cls, target_dir: str | Path, **kw) -> "DraftConfig":
-        return cls.from_target_config(json.loads((Path(target_dir) / "config.json").read_text()), **kw)
+        from remote.target import read_config
+
+        return cls.from_target_config(read_config(target_dir), **kw)
 
 
 def _rope_scaling(s: dict | None) -> dict | None:

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from remote.evaluate.config import OnlineConfig
 from remote.step import BadInput, begin_step, log, progress, step_main, write_json_atomic
+from remote.target import read_config, text_settings
 
 STEP = "online_eval"
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"
@@ -76,17 +77,10 @@ def read_draft_folder(draft_dir: str | os.PathLike) -> DraftFolder:
     return DraftFolder(str(d), cfg, shapes)
 
 
-def _text_config(cfg: dict) -> dict:
-    return cfg.get("text_config") or cfg
-
-
 def check_draft(draft_dir: str | os.PathLike, target_dir: str | os.PathLike) -> DraftFolder:
     """Refuse a draft that vLLM would load wrongly or crash on, naming the mismatch (BadInput)."""
     draft = read_draft_folder(draft_dir)
-    tp = Path(target_dir) / "config.json"
-    if not tp.is_file():
-        raise BadInput(f"target {target_dir}: no config.json")
-    target = _text_config(json.loads(tp.read_text()))
+    target = text_settings(read_config(target_dir))
     c, where = draft.config, f"draft {draft.path}"
     if EAGLE3_ARCH not in (c.get("architectures") or []):
         raise BadInput(f"{where}: architectures {c.get('architectures')} is not [{EAGLE3_ARCH!r}]")
@@ -135,7 +129,7 @@ def _recorded_target_problems(draft: DraftFolder, target: dict, target_dir: str)
     if not rp.is_file():
         log(f"online_eval: the draft was trained for {recorded}, which is not on this host; shapes checked only")
         return []
-    theirs = _text_config(json.loads(rp.read_text()))
+    theirs = text_settings(read_config(recorded))
     keys = ("architectures", "model_type", "num_hidden_layers", "hidden_size", "vocab_size")
     diff = [f"{k} {theirs.get(k)} vs {target.get(k)}" for k in keys if theirs.get(k) != target.get(k)]
     return [f"it was trained for target {recorded} ({', '.join(diff)})"] if diff else []
@@ -343,7 +337,7 @@ def measure_online(cfg: OnlineConfig) -> dict:
         except BadInput as e:  # e.g. the target changed since it was published: this run is still good
             log(f"online_eval: not measuring the previous draft: {e}")
             skipped["previous"] = str(e)
-    target = _text_config(json.loads((Path(cfg.target) / "config.json").read_text()))
+    target = text_settings(read_config(cfg.target))
     max_len = int(target.get("max_position_embeddings") or 4096)
     # Room for the longest prompt plus what is generated plus k tokens of speculation.
     max_prompt = max(1, max_len - cfg.max_tokens - cfg.num_speculative_tokens - 1)

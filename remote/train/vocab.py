@@ -19,7 +19,6 @@ target id is in the draft vocabulary.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from remote.step import BadInput, begin_step, log, progress, step_main
+from remote.target import read_config, text_settings
 from remote.train.config import VocabConfig
 
 STEP = "vocab"
@@ -126,14 +126,10 @@ def _count_group(t, train, counts, seen, parquet, vocab_size) -> None:
 def _target_vocab_size(cfg: VocabConfig) -> int:
     if cfg.target_vocab_size:
         return cfg.target_vocab_size
-    p = Path(cfg.target) / "config.json"
-    if not p.is_file():
-        raise BadInput(f"target {cfg.target}: no config.json")
-    c = json.loads(p.read_text())
-    c = c.get("text_config") or c
-    if "vocab_size" not in c:
-        raise BadInput(f"{p}: no vocab_size")
-    return int(c["vocab_size"])
+    c = text_settings(read_config(cfg.target))
+    if not isinstance(c.get("vocab_size"), int):
+        raise BadInput(f"target {cfg.target}: config.json has no vocab_size")
+    return c["vocab_size"]
 
 
 def run(raw: dict) -> dict:
