@@ -14,6 +14,7 @@ Before the engine starts, the disk plan (`DiskPlan`): the bytes the shards still
 the cache already holds for these samples, the free space of the cache's filesystem and the budget
 max_disk_gb. It is logged and kept in the manifest; a capture that cannot fit is refused (exit 65),
 naming the three figures.
+
 The manifest (`<out_dir>/manifest.json`) lists the shards that hold this dataset's samples:
 `CaptureSet.from_manifest(out_dir)` reads them.
 
@@ -34,10 +35,10 @@ from pathlib import Path
 import numpy as np
 
 from remote.capture.backend import Progress, make_backend
-from remote.capture.config import CaptureConfig
+from remote.capture.config import DTYPES, CaptureConfig
 from remote.capture.cache import CaptureCache, SampleRow, cache_key
 from remote.capture.layers import TargetConfig, check_layer_ids, default_layer_ids
-from remote.capture.store import VALUE_BYTES, bytes_per_token, shard_overhead, storage_of
+from remote.capture.store import bytes_per_token, shard_overhead, storage_of
 from remote.data.prepare import host_of
 from remote.step import BadInput, begin_step, emit, log, step_main
 
@@ -103,9 +104,9 @@ def host_share(samples: list[SampleRow], cfg: CaptureConfig) -> list[SampleRow]:
 # ----------------------------------------------------------------------------- the step
 def resolve_dtype(cfg: CaptureConfig, target: TargetConfig) -> str:
     dtype = target.dtype if cfg.dtype == "auto" else cfg.dtype
-    if dtype not in VALUE_BYTES or dtype == "fp8":
-        raise BadInput(f"target {cfg.target}: dtype {dtype!r} from config.json is not one of "
-                       f"{sorted(set(VALUE_BYTES) - {'fp8'})}; set dtype in the capture config")
+    if dtype not in DTYPES[1:]:
+        raise BadInput(f"target {cfg.target}: dtype {dtype!r} from config.json is not one of {sorted(DTYPES[1:])}; "
+                       "set dtype in the capture config")
     return dtype
 
 
