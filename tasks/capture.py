@@ -79,6 +79,10 @@ def figures_table(manifest: dict) -> list[dict]:
             ("bytes per token, bound", f["bytes_per_token_bound"]), ("tokens per second", f["tokens_per_s"]),
             ("capture seconds", f["capture_seconds"]), ("engine start seconds", f["engine_start_seconds"]),
             ("wall seconds", f["seconds"])]
+    if plan := manifest.get("disk_plan"):  # the plan made before the engine started
+        rows += [("disk plan: storage dtype", plan["storage_dtype"]), ("disk plan: bytes to write", plan["need_bytes"]),
+                 ("disk plan: bytes the cache held", plan["held_bytes"]), ("disk plan: bytes free", plan["free_bytes"]),
+                 ("disk plan: budget bytes (0: none)", plan["budget_bytes"])]
     return [{"figure": name, "value": value} for name, value in rows]
 
 

@@ -127,7 +127,7 @@ class HfCapture:
                 passes += 1
                 prog.add(len(pack), sum(int(s.input_ids.size) for s in pack))
             try:
-                write_shard(plan.path, samples, self.layer_ids)
+                write_shard(plan.path, samples, self.layer_ids, self.cfg.storage_dtype)
             except OSError as e:
                 if e.errno == errno.ENOSPC:  # a full disk is bad input: retrying cannot help
                     raise BadInput(f"disk full writing shard {plan.path}: {e}") from e

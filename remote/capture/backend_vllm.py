@@ -205,7 +205,7 @@ class VllmCapture:
         """Capture the planned shards; on_written(plan) after each shard is whole on disk."""
         from remote.capture.worker import DISK_FULL, parse_request_id, request_id
 
-        hooked = self._rank0("eaglet_capture_begin", self.layer_ids)
+        hooked = self._rank0("eaglet_capture_begin", self.layer_ids, self.cfg.storage_dtype)
         self.layers_path = hooked["layers"]
         log(f"hooked .{hooked['layers']}: layers {hooked['hooked']} of {hooked['num_layers']}")
         by_index = {p.index: p for p in plans}

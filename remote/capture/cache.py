@@ -1,6 +1,6 @@
-"""The capture cache: shards of hidden states kept per (target, its revision, layer ids, dtype).
+"""The capture cache: shards of hidden states kept per (target, its revision, layer ids, dtype, storage dtype).
 
-    key = cache_key(target_dir, revision, layer_ids, dtype)
+    key = cache_key(target_dir, revision, layer_ids, dtype, storage)
     with CaptureCache.open(cache_root, key) as cache:          # one writer at a time (a file lock)
         plans = cache.plan(samples, samples_per_shard, max_shard_bytes, bytes_per_token)
         ...                                                    # a backend writes plan.path for each
@@ -18,6 +18,8 @@ missing shard and shards are numbered and filled exactly as in a run that was ne
 A sample is reused when its id and its content (tokens, loss mask, split) match what the cache
 holds. The same id with other content (the data was prepared with another length policy or
 held-out share) is bad input: the fix is another cache_root or removing the old capture.
+The storage dtype is part of the key, so fp8 and bf16 shards never share a folder; a shard of
+another storage dtype found there (put by hand) is refused by name.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from typing import Iterable, Sequence
 import numpy as np
 from safetensors import safe_open
 
-from remote.capture.store import shard_index
+from remote.capture.store import shard_index, shard_storage
 from remote.step import BadInput, log, sha256_file, write_json_atomic
 
 INDEX = "index.json"
@@ -116,10 +118,14 @@ def _header_hash(path: Path) -> str:
         return hashlib.sha256(f.read(min(n, 1 << 26))).hexdigest()
 
 
-def cache_key(target: str | os.PathLike, revision: str, layer_ids: Sequence[int], dtype: str) -> tuple[str, dict]:
-    """(key, what it was made of): the folder name under <cache_root>/captures/."""
+def cache_key(target: str | os.PathLike, revision: str, layer_ids: Sequence[int], dtype: str,
+              storage: str | None = None) -> tuple[str, dict]:
+    """(key, what it was made of): the folder name under <cache_root>/captures/. storage: the states'
+    dtype on disk (remote.capture.store.storage_of); None: the capture dtype."""
     material = {"format": FORMAT, "identity": target_identity(target, revision), "layer_ids": list(layer_ids),
                 "dtype": dtype}
+    if storage not in (None, dtype):  # states stored as captured keep the key they had before fp8 existed
+        material["storage"] = storage
     digest = hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:20]
     return f"{Path(target).resolve().name}-{digest}", material
 
@@ -128,8 +134,9 @@ def cache_key(target: str | os.PathLike, revision: str, layer_ids: Sequence[int]
 class CaptureCache:
     """One cache folder, held under an exclusive lock while a capture plans and writes into it."""
 
-    def __init__(self, folder: Path, lock_fd: int):
+    def __init__(self, folder: Path, lock_fd: int, storage: str):
         self.folder = folder
+        self.storage = storage  # the dtype of every shard's states here
         self._lock_fd = lock_fd
         self.index: dict[str, dict] = {}  # shard file name -> {"samples": {sample_id: content}, "bytes": n}
 
@@ -146,7 +153,7 @@ class CaptureCache:
         except BlockingIOError:
             log(f"another capture holds {folder}/.lock: waiting for it")
             fcntl.flock(fd, fcntl.LOCK_EX)
-        cache = cls(folder, fd)
+        cache = cls(folder, fd, material.get("storage", material["dtype"]))
         if not (folder / "key.json").is_file():
             write_json_atomic(folder / "key.json", material)
         cache._load()
@@ -175,6 +182,10 @@ class CaptureCache:
         self.index = {n: e for n, e in index.items() if n in on_disk and on_disk[n].stat().st_size == e["bytes"]}
         for name in sorted(set(on_disk) - set(self.index)):
             entry = _read_entry(on_disk[name])
+            if entry is not None and entry["storage"] != self.storage:
+                self.close()
+                raise BadInput(f"{on_disk[name]} holds {entry['storage']} states; this cache holds {self.storage} "
+                               f"ones (its key): fp8 and other shards never mix; remove that file")
             if entry is None:
                 aside = on_disk[name].with_name(name + ".unreadable")
                 log(f"{name} cannot be read as a shard: moved aside to {aside.name}; its samples are captured again")
@@ -252,10 +263,11 @@ def _read_entry(path: Path) -> dict | None:
     """An index entry made from a shard's own contents, or None when it is not a readable shard."""
     try:
         ids, splits = shard_index(path)
-        with safe_open(str(path), framework="np") as f:
-            tokens, mask, cu = f.get_tensor("input_ids"), f.get_tensor("loss_mask"), f.get_tensor("cu_seqlens")
+        with safe_open(str(path), framework="pt") as f:
+            storage = shard_storage(f)
+            tokens, mask, cu = (f.get_tensor(k).numpy() for k in ("input_ids", "loss_mask", "cu_seqlens"))
     except Exception:  # noqa: BLE001 - any unreadable file is treated the same way
         return None
     samples = {sid: content_hash(tokens[cu[i]:cu[i + 1]], mask[cu[i]:cu[i + 1]], sp)
                for i, (sid, sp) in enumerate(zip(ids, splits))}
-    return {"samples": samples, "bytes": path.stat().st_size}
+    return {"samples": samples, "bytes": path.stat().st_size, "storage": storage}

@@ -5,9 +5,16 @@
     #  "cache_root": "<root>/cache", "backend": "vllm", "tensor_parallel_size": 8}
 
 For every sample of the dataset: the residual stream at the aux layers (HF hidden-state indices,
-default 2, N//2, N-3) and the last layer's pre-norm output, in the target's dtype, packed into
-shards (remote.capture.store) under `<cache_root>/captures/<key>/` (remote.capture.cache). Samples
-the cache already holds are not captured again; a killed run resumes at the first missing shard.
+default 2, N//2, N-3) and the last layer's pre-norm output, in the target's dtype (on disk: that
+dtype, or fp8 with storage_dtype "fp8"), packed into shards (remote.capture.store) under
+`<cache_root>/captures/<key>/` (remote.capture.cache). Samples the cache already holds are not
+captured again; a killed run resumes at the first missing shard.
+
+Before the engine starts, the disk plan (`DiskPlan`): the bytes the shards still to write need, those
+the cache already holds for these samples, the free space of the cache's filesystem and the budget
+max_disk_gb. It is logged and kept in the manifest; a capture that cannot fit is refused (exit 65),
+naming the three figures.
+
 The manifest (`<out_dir>/manifest.json`) lists the shards that hold this dataset's samples:
 `CaptureSet.from_manifest(out_dir)` reads them.
 
@@ -22,19 +29,21 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
 from remote.capture.backend import Progress, make_backend
-from remote.capture.config import CaptureConfig
+from remote.capture.config import DTYPES, CaptureConfig
 from remote.capture.cache import CaptureCache, SampleRow, cache_key
 from remote.capture.layers import TargetConfig, check_layer_ids, default_layer_ids
+from remote.capture.store import bytes_per_token, shard_overhead, storage_of
 from remote.data.prepare import host_of
 from remote.step import BadInput, begin_step, emit, log, step_main
 
 STEP = "capture"
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+SPARE_SHARE, SPARE_BYTES = 0.1, 2**30  # free space kept beyond the plan: 10% of it and 1 GiB
 
 
 # ----------------------------------------------------------------------------- the dataset
@@ -95,17 +104,56 @@ def host_share(samples: list[SampleRow], cfg: CaptureConfig) -> list[SampleRow]:
 # ----------------------------------------------------------------------------- the step
 def resolve_dtype(cfg: CaptureConfig, target: TargetConfig) -> str:
     dtype = target.dtype if cfg.dtype == "auto" else cfg.dtype
-    if dtype not in DTYPE_BYTES:
-        raise BadInput(f"target {cfg.target}: dtype {dtype!r} from config.json is not one of {sorted(DTYPE_BYTES)}; "
+    if dtype not in DTYPES[1:]:
+        raise BadInput(f"target {cfg.target}: dtype {dtype!r} from config.json is not one of {sorted(DTYPES[1:])}; "
                        "set dtype in the capture config")
     return dtype
 
 
-def check_disk(folder: Path, need: int) -> None:
-    """Refuse to start hours of capture that the disk cannot hold (10% and 1 GiB to spare)."""
-    free = shutil.disk_usage(folder).free
-    if need * 1.1 + 2**30 > free:
-        raise BadInput(f"the capture needs about {need / 2**30:.1f} GiB in {folder}; {free / 2**30:.1f} GiB is free")
+@dataclass(frozen=True)
+class DiskPlan:
+    """What the capture will put on the cache's disk, decided before the engine starts."""
+
+    folder: str  # the cache folder
+    storage_dtype: str
+    bytes_per_token: int
+    tokens: int  # of the samples still to capture
+    need_bytes: int  # the shards still to write (tokens x bytes per token + each shard's overhead)
+    held_bytes: int  # the cache's shards that already hold the other samples
+    free_bytes: int  # free on the cache's filesystem
+    budget_bytes: int  # max_disk_gb; 0: no budget
+
+    @classmethod
+    def make(cls, cache: CaptureCache, plans, cached: list[SampleRow], storage: str, bpt: int,
+             max_disk_gb: float) -> "DiskPlan":
+        need = sum(p.tokens * bpt + shard_overhead([s.sample_id for s in p.samples], [s.split for s in p.samples])
+                   for p in plans)
+        held = sum(cache.shard_bytes(cache.shards_for(cached)).values()) if cached else 0
+        return cls(str(cache.folder), storage, bpt, sum(p.tokens for p in plans), need, held,
+                   shutil.disk_usage(cache.folder).free, int(max_disk_gb * 1e9))
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.need_bytes and self.need_bytes * (1 + SPARE_SHARE) + SPARE_BYTES > self.free_bytes:
+            out.append("the free space cannot hold it (with 10% and 1 GiB to spare)")
+        if self.budget_bytes and self.held_bytes + self.need_bytes > self.budget_bytes:
+            out.append("it passes the budget (set capture.max_disk_gb higher, or capture fewer samples)")
+        return out
+
+    def describe(self) -> str:
+        budget = f"budget capture.max_disk_gb {_size(self.budget_bytes)}" if self.budget_bytes else "no budget"
+        return (f"disk plan: the capture needs {_size(self.need_bytes)} ({self.tokens} tokens x {self.bytes_per_token} "
+                f"bytes, {self.storage_dtype}) + {_size(self.held_bytes)} the cache holds for these samples; "
+                f"{_size(self.free_bytes)} free in {self.folder}; {budget}")
+
+    def check(self) -> None:
+        log(self.describe())
+        if problems := self.problems():
+            raise BadInput(f"{self.describe()}: refused: {'; '.join(problems)}")
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:,.2f} GB" if n >= 10**7 else f"{n:,} bytes"
 
 
 def _shards_whole(m: dict) -> bool:
@@ -124,19 +172,21 @@ def run(raw: dict) -> dict:
     layer_ids = check_layer_ids(cfg.layer_ids if cfg.layer_ids is not None else default_layer_ids(target.num_layers),
                                 target.num_layers)
     dtype = resolve_dtype(cfg, target)
+    storage = storage_of(dtype, cfg.storage_dtype)
     samples = host_share(read_dataset(cfg.dataset, target.vocab_size), cfg)
     max_len = max(int(s.input_ids.size) for s in samples)
     if cfg.max_model_len and max_len + 1 > cfg.max_model_len:
         longest = max(samples, key=lambda s: s.input_ids.size)
         raise BadInput(f"sample {longest.sample_id} has {max_len} tokens: more than max_model_len={cfg.max_model_len} - 1")
-    bytes_per_token = (len(layer_ids) + 1) * target.hidden_size * DTYPE_BYTES[dtype] + 5
-    key, material = cache_key(cfg.target, cfg.target_revision, layer_ids, dtype)
+    bpt = bytes_per_token(len(layer_ids), target.hidden_size, storage)
+    key, material = cache_key(cfg.target, cfg.target_revision, layer_ids, dtype, storage)
     with CaptureCache.open(cfg.cache_root, key, material) as cache:
-        plans, cached = cache.plan(samples, cfg.samples_per_shard, int(cfg.max_shard_gib * 2**30), bytes_per_token)
+        plans, cached = cache.plan(samples, cfg.samples_per_shard, int(cfg.max_shard_gib * 2**30), bpt)
         todo_tokens = sum(p.tokens for p in plans)
         log(f"{len(samples)} samples: {len(cached)} already in {cache.folder}, "
             f"{len(samples) - len(cached)} to capture ({todo_tokens} tokens) into {len(plans)} shard(s)")
-        check_disk(cache.folder, todo_tokens * bytes_per_token)
+        disk = DiskPlan.make(cache, plans, cached, storage, bpt, cfg.max_disk_gb)
+        disk.check()
         engine_s, detail, written, layers_path = 0.0, {}, [], ""
         prog = Progress(len(samples) - len(cached), todo_tokens)
         if plans:
@@ -155,7 +205,7 @@ def run(raw: dict) -> dict:
     figures = {
         "tokens": prog.tokens, "bytes": new_bytes,
         "bytes_per_token": round(new_bytes / prog.tokens, 2) if prog.tokens else None,
-        "bytes_per_token_bound": bytes_per_token + 16,
+        "bytes_per_token_bound": bpt + 16,
         "tokens_per_s": round(prog.tokens_per_s, 1) if prog.tokens else None,
         "capture_seconds": round(prog.seconds, 2) if plans else 0.0,
         "engine_start_seconds": round(engine_s, 2), "seconds": round(time.monotonic() - started, 2), **detail,
@@ -164,9 +214,10 @@ def run(raw: dict) -> dict:
               "tokens": int(sum(s.input_ids.size for s in samples)), "shards": len(shards),
               "shards_written": len(written)}
     out.open()
-    manifest = out.publish(counts=counts, figures=figures, capture={
+    manifest = out.publish(counts=counts, figures=figures, disk_plan=asdict(disk), capture={
         "shards": shards, "shard_bytes": shard_bytes, "layer_ids": list(layer_ids),
-        "hidden_size": target.hidden_size, "dtype": dtype, "target": str(Path(cfg.target).resolve()),
+        "hidden_size": target.hidden_size, "dtype": dtype, "storage_dtype": storage,
+        "target": str(Path(cfg.target).resolve()),
         "sample_ids": [s.sample_id for s in samples], "cache_dir": str(Path(shards[0]).parent), "cache_key": key,
         "backend": cfg.backend, "num_layers": target.num_layers, "layers_path": layers_path,
     })

@@ -14,6 +14,8 @@ BACKENDS = {
 }
 Backend = Literal[tuple(BACKENDS)]
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+FP8 = "fp8"
+STORAGE_DTYPES = ("auto", FP8)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,7 +47,13 @@ class CaptureOptions(PatchWorkerOptions):
     max_num_batched_tokens: int = bounded(8192, ge=1)
     """tokens of one forward pass: vLLM's step budget, the transformers backend's pack size"""
     dtype: Literal[DTYPES] = "auto"
-    """of the forward and the shards; auto: the target's own (config.json)"""
+    """of the forward (and of the shards, with storage_dtype auto); auto: the target's own (config.json)"""
+    storage_dtype: Literal[STORAGE_DTYPES] = "auto"
+    """of the states on disk; auto: the capture dtype; fp8: float8 e4m3 with a float32 scale per token and
+    layer, about half of bf16's bytes (read back in the capture dtype, within e4m3's rounding)"""
+    max_disk_gb: float = bounded(0.0, ge=0)
+    """disk budget of the capture's shards, GB (10^9 bytes): those the cache holds for these samples plus
+    those to write; a capture that would pass it is refused before the engine starts; 0: no budget"""
     max_model_len: int = bounded(0, ge=0)
     """vLLM's context length; 0: the longest sample + 1"""
     device: Literal["auto", "cuda", "cpu"] = "auto"

@@ -3,15 +3,22 @@
 A capture is a set of packed shards. One shard is one safetensors file holding whole samples
 back to back (no padding):
 
-    hidden_states      [T, len(layer_ids) * H]  target dtype, aux layers concatenated in layer_ids order
-    last_hidden_state  [T, H]                   target dtype, the final decoder layer's pre-norm output
+    hidden_states      [T, len(layer_ids) * H]  storage dtype, aux layers concatenated in layer_ids order
+    last_hidden_state  [T, H]                   storage dtype, the final decoder layer's pre-norm output
     input_ids          [T]                      int32
     loss_mask          [T]                      uint8 (1 on tokens the assistant wrote)
     cu_seqlens         [n + 1]                  int64, sample i is rows cu_seqlens[i]:cu_seqlens[i+1]
 
-with metadata `sample_ids` and `splits` (JSON lists, one entry a sample), `layer_ids` (JSON) and
-`hidden_size`, keys sorted: the same samples and states give the same bytes in any process.
-Bytes per token: (len(layer_ids) + 1) * H * dtype bytes + 5, plus 8 per sample.
+with metadata `sample_ids` and `splits` (JSON lists, one entry a sample), `layer_ids` (JSON),
+`hidden_size`, `dtype` (the capture's) and `storage` (the states' on disk), keys sorted: the same
+samples and states give the same bytes in any process.
+
+The storage dtype is the capture dtype (storage "auto") or "fp8": float8 e4m3 with one float32 scale
+per token and layer (its absmax / 448, e4m3's largest value), in `hidden_states_scale` [T, len(layer_ids)]
+and `last_hidden_state_scale` [T, 1]; readers get the states dequantized to the capture dtype
+(`read_rows`), each value within e4m3's rounding (2^-4 of itself, 2^-10 of the scale near zero).
+Bytes per token: `bytes_per_token` ((len(layer_ids) + 1) * H * value bytes + 5, fp8 adds 4 a layer),
+plus 8 per sample and the header (`shard_overhead`).
 
 Shards are written to a temporary name and renamed when whole, so a reader never sees a partial one.
 """
@@ -27,9 +34,69 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from remote.capture.config import FP8
 from remote.step import BadInput
 
 SHARD_KEYS = ("hidden_states", "last_hidden_state", "input_ids", "loss_mask", "cu_seqlens")
+STATE_KEYS = ("hidden_states", "last_hidden_state")
+SCALE = "_scale"  # suffix of an fp8 state's scales
+FP8_MAX = 448.0  # float8 e4m3fn's largest finite value
+VALUE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, FP8: 1}
+
+
+def storage_of(dtype: str, storage: str) -> str:
+    """The states' dtype on disk: the capture dtype (storage "auto") or fp8."""
+    return FP8 if storage == FP8 else dtype
+
+
+def bytes_per_token(n_aux: int, hidden: int, storage: str) -> int:
+    """Bytes a token takes in a shard: its states, fp8's scales, its input id (4) and loss mask (1)."""
+    scales = 4 * (n_aux + 1) if storage == FP8 else 0
+    return (n_aux + 1) * hidden * VALUE_BYTES[storage] + scales + 5
+
+
+def shard_overhead(sample_ids: Sequence[str], splits: Sequence[str]) -> int:
+    """Bytes of a shard beyond its tokens: cu_seqlens and the header (ids and splits, escaped, and the
+    tensor entries), within a few hundred bytes."""
+    return 1024 + sum(8 + len(sid) + len(sp) + 12 for sid, sp in zip(sample_ids, splits))
+
+
+def quantize(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, groups * H] -> (float8 e4m3 [T, groups * H], float32 scales [T, groups]): per token and group
+    (layer), the absmax maps to 448. A token-layer of zeros keeps scale 0; NaN or Inf stays NaN."""
+    t = x.float().reshape(x.shape[0], groups, -1)
+    scale = t.abs().amax(-1) / FP8_MAX
+    q = t / scale.clamp(min=torch.finfo(torch.float32).tiny)[..., None]
+    return q.to(torch.float8_e4m3fn).reshape(x.shape), scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    t = q.float().reshape(q.shape[0], scale.shape[1], -1) * scale[..., None]
+    return t.reshape(q.shape).to(dtype)
+
+
+def read_rows(f, keys: Sequence[str], start: int = 0, stop: int | None = None,
+              dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Rows start:stop of these tensors of an open shard (safe_open), fp8 states dequantized to dtype
+    (None: the shard's capture dtype)."""
+    out = {}
+    for k in keys:
+        x = f.get_slice(k)[start:stop]
+        if x.dtype == torch.float8_e4m3fn:
+            x = dequantize(x, f.get_slice(k + SCALE)[start:stop], dtype or getattr(torch, f.metadata()["dtype"]))
+        out[k] = x
+    return out
+
+
+def shard_storage(f) -> str:
+    """The storage dtype of an open shard's states (shards from before fp8 say so by their tensors)."""
+    meta = f.metadata() or {}
+    return meta.get("storage") or _dtype_name(f.get_slice("hidden_states").get_dtype())
+
+
+def _dtype_name(dtype) -> str:
+    """'bfloat16' for torch.bfloat16 or safetensors' 'BF16'."""
+    return {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F8_E4M3": FP8}.get(dtype) or str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -42,8 +109,10 @@ class Sample:
     last_hidden_state: torch.Tensor  # [T, H]
 
 
-def write_shard(path: str | os.PathLike, samples: Sequence[Sample], layer_ids: Sequence[int]) -> int:
-    """Pack samples into one shard at `path` (temporary name, then rename). Returns its bytes."""
+def write_shard(path: str | os.PathLike, samples: Sequence[Sample], layer_ids: Sequence[int],
+                storage: str = "auto") -> int:
+    """Pack samples into one shard at `path` (temporary name, then rename), the states in the storage
+    dtype ("auto": as they are; "fp8": quantized). Returns its bytes."""
     if not samples:
         raise ValueError("a shard needs at least one sample")
     path = Path(path)
@@ -57,11 +126,17 @@ def write_shard(path: str | os.PathLike, samples: Sequence[Sample], layer_ids: S
         "loss_mask": torch.cat([s.loss_mask.to(torch.uint8) for s in samples]),
         "cu_seqlens": cu,
     }
+    dtype = _dtype_name(samples[0].hidden_states.dtype)
+    if storage == FP8:
+        for k, groups in zip(STATE_KEYS, (len(layer_ids), 1)):
+            tensors[k], tensors[k + SCALE] = quantize(tensors[k], groups)
     meta = {
         "sample_ids": json.dumps([s.sample_id for s in samples]),
         "splits": json.dumps([s.split for s in samples]),
         "layer_ids": json.dumps(list(layer_ids)),
         "hidden_size": str(samples[0].last_hidden_state.shape[-1]),
+        "dtype": dtype,
+        "storage": storage_of(dtype, storage),
     }
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     save_file(tensors, str(tmp), metadata=meta)
@@ -104,7 +179,7 @@ def read_shard(path: str | os.PathLike, split: str | None = None, wanted: set[st
         if missing or "sample_ids" not in meta:
             raise BadInput(f"{path}: not an eaglet capture shard (missing {missing or ['sample_ids']})")
         ids, splits = json.loads(meta["sample_ids"]), json.loads(meta["splits"])
-        t = {k: f.get_tensor(k) for k in SHARD_KEYS}
+        t = read_rows(f, SHARD_KEYS)
     cu = t["cu_seqlens"].tolist()
     for i, (sid, sp) in enumerate(zip(ids, splits)):
         if (split is not None and sp != split) or (wanted is not None and sid not in wanted):
@@ -120,9 +195,14 @@ class CaptureSet:
     shards: tuple[str, ...]  # absolute paths
     layer_ids: tuple[int, ...]
     hidden_size: int
-    dtype: str
+    dtype: str  # the capture's; fp8 states are read back in it
     target: str  # the target model's path on the host
     sample_ids: frozenset[str] | None = None  # None: every sample of the shards
+    storage: str = ""  # the states' dtype on disk: fp8, or "" / the capture dtype
+
+    @property
+    def storage_dtype(self) -> str:
+        return self.storage or self.dtype
 
     @classmethod
     def from_manifest(cls, capture_dir: str | os.PathLike) -> "CaptureSet":
@@ -138,7 +218,16 @@ class CaptureSet:
             dtype=c["dtype"],
             target=c["target"],
             sample_ids=frozenset(c["sample_ids"]) if c.get("sample_ids") is not None else None,
+            storage=c.get("storage_dtype", ""),
         )
+
+    def check_storage(self, shard: str, f) -> None:
+        """Refuse a shard whose states are stored otherwise than the capture says (a set mixing fp8 and
+        bf16 shards), by name."""
+        held = shard_storage(f)
+        if held != self.storage_dtype:
+            raise BadInput(f"{shard} holds {held} states; this capture's are {self.storage_dtype}: a capture set "
+                           f"mixing storage dtypes is refused (capture again with one capture.storage_dtype)")
 
     def samples(self, split: str | None = None) -> Iterator[Sample]:
         for shard in self.shards:

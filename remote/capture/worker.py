@@ -2,7 +2,7 @@
 
     llm = vllm.LLM(target, worker_extension_cls="remote.capture.worker.CaptureWorkerExtension",
                    enforce_eager=True, enable_prefix_caching=False, ...)
-    llm.collective_rpc("eaglet_capture_begin", args=([2, 15, 27],))       # hooks on
+    llm.collective_rpc("eaglet_capture_begin", args=([2, 15, 27], "fp8"))  # hooks on; the storage dtype
     llm.collective_rpc("eaglet_plan_shard", args=(plan,))                 # before its requests
     llm.llm_engine.add_request(request_id("3", 0), {"prompt_token_ids": ids}, SamplingParams(max_tokens=1))
     llm.collective_rpc("eaglet_capture_status")    # -> [{"written": [...], "error": ...}, None, ...]
@@ -20,7 +20,7 @@ remote.capture.capture drives it; this module needs vLLM only inside the worker.
 - The driver names each request after its shard and slot (`request_id`), sends the shard's plan
   (paths, ids, tokens, masks) first, and keeps only a few shards in flight, so memory is bounded.
 - After the all-reduce every tensor-parallel rank holds the same states: only rank 0 hooks and
-  writes; the other ranks do nothing. A writer thread packs and writes finished shards
+  writes; the other ranks do nothing. A writer thread packs (fp8: quantizes) and writes finished shards
   (capture_store.write_shard: temporary name, then rename) off the forward path; its queue is
   short, so a slow disk holds the engine back instead of filling memory.
 """
@@ -94,8 +94,9 @@ class Recorder:
     request had computed before the pass, and the pass's states [T, (n_aux + 1) * H].
     """
 
-    def __init__(self, layer_ids: Sequence[int]):
+    def __init__(self, layer_ids: Sequence[int], storage: str = "auto"):
         self.layer_ids = list(layer_ids)
+        self.storage = storage  # of the shards' states: "auto" (as captured) or "fp8"
         self.shards: dict[int, _PlannedShard] = {}
         self.written: list[int] = []
         self.error: str | None = None
@@ -176,7 +177,7 @@ class Recorder:
             if self.error is not None:
                 continue  # after a failed write, drop the rest: the run fails and resumes later
             try:
-                write_shard(shard.path, shard.samples(), self.layer_ids)
+                write_shard(shard.path, shard.samples(), self.layer_ids, self.storage)
                 self.written.append(shard.index)
             except Exception as e:  # noqa: BLE001 - reported to the driver through status()
                 full = isinstance(e, OSError) and e.errno == errno.ENOSPC
@@ -210,8 +211,9 @@ class CaptureWorkerExtension:
     Every name starts with eaglet_ (vLLM refuses an extension whose names clash with the worker's).
     """
 
-    def eaglet_capture_begin(self, layer_ids: list[int]) -> dict | None:
-        """Hook the aux layers and the last layer (rank 0 only); returns what was hooked there."""
+    def eaglet_capture_begin(self, layer_ids: list[int], storage: str = "auto") -> dict | None:
+        """Hook the aux layers and the last layer (rank 0 only), shards stored in `storage` ("auto" or
+        "fp8"); returns what was hooked there."""
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
         if get_pp_group().world_size != 1:
@@ -221,7 +223,7 @@ class CaptureWorkerExtension:
         self.eaglet_capture_end()
         model = self.model_runner.get_model()
         path, layers = find_decoder_layers(model)
-        rec = Recorder(layer_ids)
+        rec = Recorder(layer_ids, storage)
         state = {"aux": {}, "fired": 0}
         wanted = {hooked_layer(i): n for n, i in enumerate(layer_ids)}
         last = len(layers) - 1

@@ -6,8 +6,9 @@
     index.set_in_draft(flags)        # per-sample [length] bool, precomputed once (remote.train.train)
 
 The index reads only shard headers and `cu_seqlens`; a batch reads its samples' rows through
-safetensors slices, so a capture larger than memory trains without loading whole shards.
-(remote.capture.store owns the format; this reads the same keys.)
+safetensors slices, so a capture larger than memory trains without loading whole shards. States
+stored as fp8 come back dequantized to the capture dtype; a set of shards that mixes storage dtypes
+is refused by name. (remote.capture.store owns the format; this reads it through read_rows.)
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 
-from remote.capture.store import SHARD_KEYS, CaptureSet
+from remote.capture.store import SHARD_KEYS, CaptureSet, read_rows
 from remote.draft.loss import PackedBatch
 from remote.step import BadInput
 
@@ -32,8 +33,9 @@ class SampleRef:
 
 
 class CaptureIndex:
-    def __init__(self, refs: list[SampleRef], hidden_size: int, n_aux: int):
+    def __init__(self, refs: list[SampleRef], hidden_size: int, n_aux: int, dtype: torch.dtype = torch.float32):
         self.refs, self.hidden_size, self.n_aux = refs, hidden_size, n_aux
+        self.dtype = dtype  # the capture's: fp8 states are dequantized to it
         self.in_draft: list[torch.Tensor] | None = None
 
     def set_in_draft(self, flags: list[torch.Tensor]) -> None:
@@ -55,11 +57,10 @@ class CaptureIndex:
         rows: list[dict] = [{} for _ in sample_idxs]
         for shard, positions in by_shard.items():
             with safe_open(shard, framework="pt") as f:
-                sl = {k: f.get_slice(k) for k in keys}
                 for pos in positions:
                     r = self.refs[sample_idxs[pos]]
                     n = r.length if limit is None else min(r.length, limit)
-                    rows[pos] = {k: sl[k][r.start:r.start + n] for k in keys}
+                    rows[pos] = read_rows(f, keys, r.start, r.start + n, self.dtype)
         return rows
 
     @property
@@ -75,6 +76,7 @@ class CaptureIndex:
                 missing = [k for k in SHARD_KEYS if k not in f.keys()]
                 if missing or "sample_ids" not in meta:
                     raise BadInput(f"{shard}: not an eaglet capture shard (missing {missing or ['sample_ids']})")
+                capture.check_storage(shard, f)
                 cu = f.get_tensor("cu_seqlens").tolist()
             ids, splits = json.loads(meta["sample_ids"]), json.loads(meta["splits"])
             for i, (sid, sp) in enumerate(zip(ids, splits)):
@@ -82,7 +84,7 @@ class CaptureIndex:
                     refs.append(SampleRef(shard, cu[i], cu[i + 1] - cu[i], sid))
         if not refs:
             raise BadInput(f"the capture has no {split!r} samples (shards: {list(capture.shards)})")
-        return cls(refs, capture.hidden_size, len(capture.layer_ids))
+        return cls(refs, capture.hidden_size, len(capture.layer_ids), getattr(torch, capture.dtype))
 
     def load(self, sample_idxs: list[int], token_budget: int, pad_multiple: int = 1) -> PackedBatch:
         """Pack these samples (each cut to the budget) into one batch, padded to pad_multiple rows."""
