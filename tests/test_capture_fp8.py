@@ -24,9 +24,8 @@ from remote.capture.store import FP8_MAX, CaptureSet, Sample, read_shard, write_
 from remote.capture.worker import Recorder, request_id
 from remote.draft.data import CaptureIndex
 from remote.step import EXIT_BAD_INPUT, BadInput
-from tests.test_capture_vllm import random_samples, write_dataset
-from tests.test_capture_worker import one_pass, plan, rows
-from tests.test_train import run_train, save_vocab
+from tests.fixtures.capture import one_pass, plan, random_samples, rows, write_dataset
+from tests.fixtures.train_inputs import run_train, save_vocab
 
 LAYERS = [1, 3, 4]  # of the 6-layer tiny Llama (H 64)
 H = 64

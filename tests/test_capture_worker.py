@@ -7,29 +7,10 @@ import numpy as np
 import torch
 
 from remote.capture.backend_vllm import _wire_plan
-from remote.capture.cache import SampleRow, ShardPlan
 from remote.capture.store import read_shard
 from remote.capture.worker import Recorder, parse_request_id, request_id
+from tests.fixtures.capture import N_AUX, H, one_pass, plan, rows
 
-H, N_AUX = 2, 2
-
-
-def plan(tmp_path, index: int, lengths) -> ShardPlan:
-    samples = tuple(SampleRow(f"id{index}-{k}", "train", np.arange(n, dtype=np.int32) + 10 * k,
-                              np.ones(n, dtype=np.uint8)) for k, n in enumerate(lengths))
-    return ShardPlan(index, str(tmp_path / f"shard-{index:05d}.safetensors"), samples)
-
-
-def rows(shard: int, slot: int, start: int, stop: int) -> torch.Tensor:
-    """States whose every value is shard*1000 + slot*100 + position: where a row came from."""
-    pos = torch.arange(start, stop, dtype=torch.float32)[:, None]
-    return (shard * 1000 + slot * 100 + pos).expand(-1, (N_AUX + 1) * H).clone()
-
-
-def one_pass(rec: Recorder, pieces) -> None:
-    """pieces: (request id, computed before, the rows)."""
-    qsl = np.cumsum([0] + [len(r) for _, _, r in pieces]).tolist()
-    rec.on_pass([rid for rid, _, _ in pieces], qsl, [c for _, c, _ in pieces], torch.cat([r for _, _, r in pieces]))
 
 
 def test_request_ids_round_trip_and_foreign_ones_are_ignored():

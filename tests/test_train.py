@@ -5,11 +5,8 @@ capture store's own write_shard (tests/fixtures/train_inputs.py)."""
 import base64
 import json
 import math
-import os
 import re
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +15,7 @@ from safetensors.torch import load_file
 
 from remote.step import EVENT_PREFIX, EXIT_BAD_INPUT
 from remote.train.vocab import choose_vocab
-from tests.fixtures.train_inputs import LAYER_IDS, hf_capture, save_vocab
+from tests.fixtures.train_inputs import LAYER_IDS, hf_capture, run_train, save_vocab
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,25 +29,6 @@ def random_chats(n: int, vocab: int, seed: int = 0):
         seqs.append(torch.randint(3, vocab, (t,), generator=g).tolist())
         masks.append([0] * (t // 3) + [1] * (t - t // 3))
     return seqs, masks
-
-
-def run_train(cfg: dict, cfg_path: Path, kill_after_checkpoint: int | None = None) -> subprocess.CompletedProcess:
-    """`python -m remote.train.train` as the host runs it; optionally SIGKILLed after the n-th checkpoint."""
-    cfg_path.write_text(json.dumps(cfg))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}  # tiny model: threads only contend
-    cmd = [sys.executable, "-m", "remote.train.train", "--config", str(cfg_path)]
-    if kill_after_checkpoint is None:
-        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    seen = 0
-    for line in p.stdout:
-        if line.startswith(EVENT_PREFIX) and json.loads(line[len(EVENT_PREFIX):])["event"] == "checkpoint":
-            seen += 1
-            if seen == kill_after_checkpoint:
-                p.send_signal(signal.SIGKILL)
-                break
-    p.wait(timeout=60)
-    return subprocess.CompletedProcess(cmd, p.returncode, "", "")
 
 
 def events(stdout: str, kind: str) -> list[dict]:
