@@ -69,8 +69,9 @@ def nightly_run_label() -> str:
     """The run's name: nightly-<name>-<scheduled start>, host and target (its folder on the host is the first part)."""
     from prefect.runtime import flow_run
 
-    nightly = NightlyParams.model_validate(flow_run.parameters.get("nightly") or {})
-    return flow_run_label(prefix=f"nightly-{nightly.name}-")
+    nightly = flow_run.parameters.get("nightly") or {}  # the parameters as given: an object or its dict
+    name = nightly.name if isinstance(nightly, NightlyParams) else nightly.get("name", NightlyParams.name)
+    return flow_run_label(prefix=f"nightly-{name}-")
 
 
 @flow(name="train-draft-nightly", flow_run_name=nightly_run_label, log_prints=True, persist_result=True,
