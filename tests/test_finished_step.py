@@ -76,36 +76,23 @@ def test_a_changed_config_is_refused_naming_the_key(name, tmp_path):
     assert (tmp_path / name / "result.txt").read_text() == "the old output", "the old output is left as it was"
 
 
-def test_the_embedded_default_makes_its_parts_again_for_another_config(tmp_path, monkeypatch):
-    """A cache shared by runs: another config is not refused, and not served the old manifest either."""
-    module, _ = _step("embedded_default")
-    _finished("embedded_default", _raw("embedded_default", tmp_path))
+@pytest.mark.parametrize("name, first_work", [("embedded_default", "ensure_model"), ("regenerate", "input_files")])
+def test_a_shared_cache_makes_its_folder_again_for_another_config(name, first_work, tmp_path, monkeypatch):
+    """Caches shared by runs (the embedded default; regenerate's answers, keyed by their sampling settings):
+    another config is not refused, and not served the old manifest either: the step starts its work again."""
+    module, _ = _step(name)
+    _finished(name, _raw(name, tmp_path))
 
-    class Rebuilding(Exception):
+    class Redoing(Exception):
         pass
 
-    def ensure_model(*_):
-        raise Rebuilding
+    def first(*_):
+        raise Redoing
 
-    monkeypatch.setattr(module, "ensure_model", ensure_model)
-    with pytest.raises(Rebuilding):
-        module.run(_raw("embedded_default", tmp_path, conversations=6))
-
-
-def test_regenerate_answers_again_for_other_sampling_settings(tmp_path, monkeypatch):
-    """Its answers are cached by their sampling settings: another config reads the inputs again."""
-    module, _ = _step("regenerate")
-    _finished("regenerate", _raw("regenerate", tmp_path))
-
-    class Rereading(Exception):
-        pass
-
-    def input_files(*_):
-        raise Rereading
-
-    monkeypatch.setattr(module, "input_files", input_files)
-    with pytest.raises(Rereading):
-        module.run(_raw("regenerate", tmp_path, temperature=0.7))
+    monkeypatch.setattr(module, first_work, first)
+    key, value = STEPS[name][1]
+    with pytest.raises(Redoing):
+        module.run(_raw(name, tmp_path, **{key: value}))
 
 
 @pytest.mark.parametrize("name", [n for n in STEPS if n != "patch_worker"])  # its check also starts vLLM's version probe
