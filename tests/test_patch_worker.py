@@ -56,7 +56,7 @@ def test_the_task_patches_the_tiny_kimi_on_a_local_host(prefect_harness, tiny_ki
     out = Path(code.root) / "runs" / "r1" / "patch_worker"
     m = json.loads((out / "manifest.json").read_text())
     assert m["extension"] == "remote.capture.worker.CaptureWorkerExtension" and m["device_kind"] == "cpu"
-    assert Path(m["extension_file"]).resolve() == (Path(code.path) / "remote" / "capture_worker.py").resolve()
+    assert Path(m["extension_file"]).resolve() == (Path(code.path) / "remote" / "capture" / "worker.py").resolve()
 
     code_again, log = run_step(tmp_path, "again", m["config"])  # idempotent: the devices again, not the probe
     assert code_again == 0 and "nothing to do" in log and json.loads((out / "manifest.json").read_text()) == m
