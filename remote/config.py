@@ -182,6 +182,13 @@ def _shown(value: Any) -> str:
     return f"{value!r} ({kind})"
 
 
+def require_paths(obj: Any, name: str) -> None:
+    """Refuse an empty list of paths (or one with an empty path) in the field `name` of a config."""
+    value = getattr(obj, name)
+    if not value or not all(value):
+        raise ConfigError(f"{name}: expected a non-empty list of paths, got {value!r}")
+
+
 def pick(options: type, source: Any) -> dict[str, Any]:
     """The fields of the dataclass `options` taken from `source` (an Options object that holds them)."""
     return {f.name: getattr(source, f.name) for f in dataclasses.fields(options)}

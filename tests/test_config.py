@@ -9,7 +9,7 @@ import pytest
 
 from remote.capture.config import CaptureConfig, CaptureOptions, PatchWorkerConfig
 from remote.config import ConfigError, TargetOptions
-from remote.data.config import DataDeltaConfig, DataOptions, EmbeddedDefaultConfig, PrepareConfig, PrepareOptions
+from remote.data.config import DataDeltaConfig, DataOptions, EmbeddedDefaultConfig, PrepareConfig, PrepareOptions, RegenerateConfig
 from remote.evaluate.config import EvaluateConfig, EvaluateOptions, OnlineConfig, PromoteConfig
 from remote.step import EXIT_BAD_INPUT, BadInput, load_config
 from remote.train.config import ExportConfig, TrainConfig, TrainOptions, VocabConfig
@@ -38,6 +38,10 @@ BAD = [  # (config class, a valid config, the bad keys, the message)
     (EmbeddedDefaultConfig, {"out_dir": "/o"}, {"out_dir": None}, r"out_dir: expected a string, got null"),
     (DataDeltaConfig, {"inputs": ["a"], "state_dir": "/s", "out_dir": "/o"}, {"state_dir": 3},
      r"state_dir: expected a string, got 3"),
+    (RegenerateConfig, {"inputs": ["a"], "target": "/m", "out_dir": "/o", "cache_root": "/c"}, {"inputs": []},
+     r"inputs: expected a non-empty list of paths, got \[\]"),
+    (DataDeltaConfig, {"inputs": ["a"], "state_dir": "/s", "out_dir": "/o"}, {"inputs": ["a", ""]},
+     r"inputs: expected a non-empty list of paths, got \['a', ''\]"),
     (PatchWorkerConfig, {"target": "/m", "out_dir": "/o"}, {"gpu_memory_utilization": 1.5},
      r"gpu_memory_utilization: expected a number > 0 and <= 1, got 1.5"),
     (PatchWorkerConfig, {"target": "/m", "out_dir": "/o"}, {"layer_ids": [2, "x"]},

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from remote.config import Checked, ConfigError, bounded
+from remote.config import Checked, ConfigError, bounded, require_paths
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,8 +102,7 @@ class RegenerateConfig(RegenerateOptions):
 
     def __post_init__(self):
         super().__post_init__()
-        if not self.inputs:
-            raise ConfigError("inputs: expected a non-empty list of paths, got []")
+        require_paths(self, "inputs")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,8 +126,7 @@ class PrepareConfig(PrepareOptions):
 
     def __post_init__(self):
         super().__post_init__()
-        if not self.inputs:
-            raise ConfigError("inputs: expected a non-empty list of paths, got []")
+        require_paths(self, "inputs")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,5 +157,4 @@ class DataDeltaConfig(Checked):
 
     def __post_init__(self):
         super().__post_init__()
-        if not self.inputs or not all(self.inputs):
-            raise ConfigError(f"inputs={self.inputs!r}: name at least one file or folder of conversations")
+        require_paths(self, "inputs")
