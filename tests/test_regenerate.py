@@ -347,6 +347,40 @@ def test_a_killed_run_resumes_at_the_first_missing_shard_and_the_cache_serves_a_
     assert sorted(map(json.dumps, read_jsonl(tmp_path / "rerun" / OUTPUT))) == answers
 
 
+def test_a_sigkilled_step_leaves_whole_shards_and_its_rerun_answers_only_the_rest(chain_model, tmp_path):
+    """A real SIGKILL of the step's process (the transformers backend on the tiny chain model: no vLLM
+    start), once three shards of one prompt each are on disk; the rerun answers only what they lack."""
+    import signal
+    import time
+
+    from tests.fixtures.capture import kill_group, start_step
+
+    n = 60
+    chats = write_chats(tmp_path / "chats.jsonl", [[("user", f"Question {i}?"), ("assistant", "-")] for i in range(n)])
+    cfg = regen_config(tmp_path, chain_model, [chats], backend="transformers", device="cpu", max_tokens=16,
+                       heldout_permille=0, samples_per_shard=1)
+    proc, log = start_step(tmp_path, "killed", cfg, module="remote.data.regenerate")
+    deadline, left = time.monotonic() + 120, []
+    while proc.poll() is None and time.monotonic() < deadline:
+        if len(left := list((tmp_path / "cache").rglob("shard-*.jsonl"))) >= 3:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.01)
+    proc.wait(timeout=30)
+    kill_group(proc)
+    assert proc.returncode == -signal.SIGKILL, log.read_text()[-3000:]
+    shards = list((tmp_path / "cache").rglob("shard-*.jsonl"))
+    assert 3 <= len(shards) < n and not (tmp_path / "regenerate").exists()  # half-way, nothing that looks finished
+    for shard in shards:  # each whole: its header names as many prompts as it has lines
+        lines = shard.read_text().splitlines()
+        assert len(json.loads(lines[0])["keys"]) == len(lines) - 1 == 1
+    m = run(cfg)
+    assert m["counts"]["cached"] == len(shards) and m["counts"]["answered_now"] == n - len(shards)
+    records = read_jsonl(tmp_path / "regenerate" / OUTPUT)
+    assert len(records) == n and {r["messages"][-1]["content"] for r in records} == {"<think> fox dog</think> zebras wizards"}
+    assert not list((tmp_path / "cache").rglob(".shard-*"))  # what the killed writer left half-written is gone
+
+
 # ----------------------------------------------------------------------------- the flow's task
 def test_the_options_are_the_flows_parameters_and_the_kimi_preset_regenerates_at_tp8():
     from pydantic import TypeAdapter, ValidationError

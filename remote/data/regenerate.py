@@ -219,6 +219,9 @@ class AnswerCache:
         self.folder = folder
         folder.mkdir(parents=True, exist_ok=True)
         self.where: dict[str, Path] = {}  # prompt key -> its shard (keys only: answers stay on disk)
+        for tmp in folder.glob(".shard-*.jsonl.tmp-*"):  # a shard a killed writer left half-written
+            if not _alive(int(tmp.name.rpartition("-")[2])):
+                tmp.unlink(missing_ok=True)
         for shard in sorted(folder.glob("shard-*.jsonl")):
             with open(shard, encoding="utf-8") as f:
                 for key in json.loads(f.readline())["keys"]:
@@ -255,6 +258,16 @@ class AnswerCache:
                 for line in f:
                     if (row := json.loads(line))["key"] in wanted:
                         yield row
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 # ----------------------------------------------------------------------------- answering, turn by turn
