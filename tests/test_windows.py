@@ -1,0 +1,182 @@
+"""Capture in windows (issue 16, item 3) on the CPU with the tiny Llama and the transformers capture backend.
+
+The steps run as the flow's window loop runs them (tasks/windows.py): the windows step plans, the
+held-out samples are captured once, then for each window: capture its samples, train its steps,
+free its shards. A budget that forces three windows; the bytes in the capture cache, polled while
+the steps run, never pass it; every train sample is read exactly once an epoch, in the same order,
+with the same losses and weights as one capture of everything and one training; a window's train
+step SIGKILLed after a checkpoint mid-window resumes on the same steps to the same end; a sample
+larger than the budget is refused with the figures.
+
+    .venv/bin/python -m pytest tests/test_windows.py -x -q
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from remote.capture.capture import main as capture_main
+from remote.capture.free import main as free_main
+from remote.draft.data import CaptureIndex
+from remote.step import EXIT_BAD_INPUT
+from remote.train.train import main as train_main
+from remote.train.windows import HELDOUT_IDS, main as windows_main, window_ids_file
+from tests.fixtures.capture import random_samples, write_dataset
+from tests.fixtures.polling import DiskWatch
+from tests.fixtures.train_inputs import run_train, save_vocab
+
+LAYERS = [1, 3, 4]  # of the 6-layer tiny Llama
+CAPTURE = {"backend": "transformers", "device": "cpu", "dtype": "float32", "layer_ids": LAYERS, "samples_per_shard": 4}
+TRAIN = {"ttt_steps": 2, "token_budget": 96, "lr": 3e-3, "warmup_steps": 1, "epochs": 1.5, "checkpoint_every": 1000,
+         "eval_every": 3, "eval_tokens": 256, "seed": 1, "device": "cpu"}
+
+
+def step(main, folder: Path, name: str, config: dict) -> tuple[int, dict | None]:
+    """One remote step in this process, as the host runs it (a config file, main(argv)); its manifest."""
+    path = folder / f"{name}.config.json"
+    path.write_text(json.dumps(config))
+    rc = main(["--config", str(path)])
+    m = Path(config["out_dir"]) / "manifest.json"
+    return rc, json.loads(m.read_text()) if m.is_file() else None
+
+
+@pytest.fixture(scope="module")
+def world(tiny_llama, tmp_path_factory):
+    d = tmp_path_factory.mktemp("windows")
+    samples = random_samples(np.random.default_rng(3).integers(16, 48, 30).tolist(), vocab=500, seed=3)
+    vocab = save_vocab([s.input_ids.tolist() for s in samples], [s.loss_mask.tolist() for s in samples], 512, 200,
+                       d / "vocab")
+    return {"dir": d, "target": str(tiny_llama), "dataset": str(write_dataset(d / "data.parquet", samples)),
+            "vocab": str(vocab), "train_ids": {s.sample_id for s in samples if s.split == "train"}}
+
+
+def recorder(monkeypatch, train_ids: set[str]) -> list[list[str]]:
+    """The sample ids of every train batch the trainer loads, in order (held-out batches left out)."""
+    seen: list[list[str]] = []
+    load = CaptureIndex.load
+
+    def recording(self, sample_idxs, *a, **k):
+        ids = [self.refs[i].sample_id for i in sample_idxs]
+        if set(ids) <= train_ids:
+            seen.append(ids)
+        return load(self, sample_idxs, *a, **k)
+
+    monkeypatch.setattr(CaptureIndex, "load", recording)
+    return seen
+
+
+def plan(world, run: Path, budget: float) -> tuple[int, dict | None]:
+    return step(windows_main, run, "windows", {"dataset": world["dataset"], "target": world["target"],
+                                               "out_dir": str(run / "windows"),
+                                               "capture": {**CAPTURE, "max_disk_gb": budget}, "train": TRAIN})
+
+
+def capture(world, run: Path, name: str, ids_file: str = "", budget: float = 0.0) -> dict:
+    rc, m = step(capture_main, run, name, {**CAPTURE, "dataset": world["dataset"], "target": world["target"],
+                                           "out_dir": str(run / name), "cache_root": str(run / "cache"),
+                                           "sample_ids": ids_file, "max_disk_gb": budget})
+    assert rc == 0
+    return m
+
+
+def train_config(world, run: Path, capture_dir: str, out: str, **wiring) -> dict:
+    return {**TRAIN, "capture_dir": capture_dir, "vocab_dir": world["vocab"], "out_dir": str(run / out), **wiring}
+
+
+def in_windows(world, run: Path, budget: float, kill_window: int | None = None, **train) -> tuple[dict, list[dict]]:
+    """The flow's window loop: plan, capture the held-out samples, then capture, train and free each window."""
+    rc, planned = plan(world, run, budget)
+    assert rc == 0
+    windows = run / "windows"
+    heldout = capture(world, run, "capture-heldout", str(windows / HELDOUT_IDS), budget)
+    trained = []
+    for w in range(planned["counts"]["windows"]):
+        cap = capture(world, run, f"capture-w{w:03d}", str(windows / window_ids_file(w)), budget)
+        cfg = train_config(world, run, str(run / f"capture-w{w:03d}"), f"train-w{w:03d}", windows=str(windows),
+                           window=w, checkpoint_dir=str(run / "checkpoints"), **train)
+        if w == kill_window:  # a real SIGKILL of the step's process, after its first checkpoint mid-window
+            killed = run_train(cfg, run / f"train-w{w:03d}.kill.json", kill_after_checkpoint=1)
+            assert killed.returncode == -9 and not (run / f"train-w{w:03d}").exists()
+        rc, m = step(train_main, run, f"train-w{w:03d}", cfg)
+        assert rc == 0
+        trained.append(m)
+        rc, freed = step(free_main, run, f"free-w{w:03d}", {"capture_dir": str(run / f"capture-w{w:03d}"),
+                                                            "out_dir": str(run / f"free-w{w:03d}")})
+        assert rc == 0 and freed["counts"]["shards"] == cap["counts"]["shards"] - len(heldout["capture"]["shards"])
+    return planned, trained
+
+
+def losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "loss.jsonl").read_text().splitlines()]
+
+
+def three_windows_budget(world, tmp: Path) -> float:
+    """The held-out states and 70% of the train ones, in GB: an epoch in two windows, the half epoch in one."""
+    rc, sizes = plan(world, tmp, 0.0)  # no budget: the plan's figures, no windows
+    assert rc == 0 and sizes["counts"]["windows"] == 0
+    return (sizes["figures"]["heldout_bytes"] + 0.7 * sizes["figures"]["train_bytes"]) / 1e9
+
+
+# ----------------------------------------------------------------------------- tests
+@pytest.fixture(scope="module")
+def all_at_once(world, tmp_path_factory):
+    """Capture everything, then train: what a run without a budget does (the reference of the others)."""
+    run = tmp_path_factory.mktemp("all")
+    with pytest.MonkeyPatch.context() as mp:
+        reads = recorder(mp, world["train_ids"])
+        with DiskWatch(run / "cache") as disk:
+            capture(world, run, "capture")
+            rc, _ = step(train_main, run, "train", train_config(world, run, str(run / "capture"), "train"))
+    assert rc == 0
+    return {"out": run / "train", "reads": reads, "bytes": disk.peak,
+            "budget": three_windows_budget(world, tmp_path_factory.mktemp("sizes"))}
+
+
+def test_a_budget_forcing_three_windows_keeps_the_disk_under_it_and_trains_as_capturing_everything(
+        world, all_at_once, tmp_path, monkeypatch):
+    budget = all_at_once["budget"]
+    reads = recorder(monkeypatch, world["train_ids"])
+    with DiskWatch(tmp_path / "cache") as disk:
+        planned, trained = in_windows(world, tmp_path, budget)
+    windows = planned["windows"]
+    assert [w["epoch"] for w in windows] == [0, 0, 1]  # the second epoch captures again
+    assert disk.peak <= budget * 1e9 < all_at_once["bytes"], (disk.peak, budget * 1e9, all_at_once["bytes"])
+    assert [m["train"]["final"] for m in trained] == [False, False, True]
+    # the batches, in order, of the run that captured everything: each train sample once in the epoch
+    assert reads == all_at_once["reads"]
+    epoch0 = [sid for batch in reads[:windows[1]["last_step"]] for sid in batch]
+    assert sorted(epoch0) == sorted(world["train_ids"])
+    out, ref = tmp_path / "train-w002", all_at_once["out"]
+    assert losses(out) == pytest.approx(losses(ref), rel=1e-6, abs=1e-7)
+    a, b = load_file(str(out / "model.safetensors")), load_file(str(ref / "model.safetensors"))
+    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)  # captured in other packs: 1e-7 apart
+    kept = json.loads((tmp_path / "capture-heldout" / "manifest.json").read_text())["capture"]["shards"]
+    assert sorted(map(str, (tmp_path / "cache").rglob("shard-*.safetensors"))) == sorted(kept)  # for the evaluation
+
+
+def test_a_window_killed_mid_way_resumes_on_the_same_steps_to_the_same_checkpoint(world, all_at_once, tmp_path):
+    planned, _ = in_windows(world, tmp_path, all_at_once["budget"], kill_window=1, checkpoint_every=1)
+    out, ref = tmp_path / "train-w002", all_at_once["out"]
+    assert losses(out) == pytest.approx(losses(ref), rel=1e-6, abs=1e-7)
+    last = planned["counts"]["total_steps"]
+    assert [p.name for p in (tmp_path / "checkpoints").glob("step-*")] == [f"step-{last:08d}"]
+    a, b = load_file(str(out / "model.safetensors")), load_file(str(ref / "model.safetensors"))
+    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)  # captured in other packs: 1e-7 apart
+
+
+def test_the_plan_refuses_a_sample_larger_than_the_budget_naming_the_figures(world, tmp_path, capsys):
+    (tmp_path / "sizes").mkdir()
+    rc, sizes = plan(world, tmp_path / "sizes", 0.0)
+    held = sizes["figures"]["heldout_bytes"]
+    rc, m = plan(world, tmp_path, (held + 30_000) / 1e9)  # 30 kB left: no sample of 16+ tokens x 1,029 bytes fits
+    err = capsys.readouterr().err
+    assert rc == EXIT_BAD_INPUT and m is None and not (tmp_path / "windows").exists()
+    assert re.search(r"sample \S+ alone needs [\d,]+ bytes of states \(\d+ tokens x 1029 bytes a token \(float32\); "
+                     rf"budget capture.max_disk_gb {held + 30_000:,} bytes; the held-out samples' states {held:,} bytes, "
+                     r"30,000 bytes left for a window\)", err), err
