@@ -21,29 +21,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from remote.capture.capture import main as capture_main
-from remote.capture.free import main as free_main
 from remote.draft.data import CaptureIndex
 from remote.step import EXIT_BAD_INPUT
 from remote.train.train import main as train_main
-from remote.train.windows import HELDOUT_IDS, main as windows_main, window_ids_file
 from tests.fixtures.capture import random_samples, write_dataset
 from tests.fixtures.polling import DiskWatch
-from tests.fixtures.train_inputs import run_train, save_vocab
+from tests.fixtures.train_inputs import save_vocab
+from tests.fixtures.windows import capture, in_windows, plan, step, train_config
 
 LAYERS = [1, 3, 4]  # of the 6-layer tiny Llama
 CAPTURE = {"backend": "transformers", "device": "cpu", "dtype": "float32", "layer_ids": LAYERS, "samples_per_shard": 4}
 TRAIN = {"ttt_steps": 2, "token_budget": 96, "lr": 3e-3, "warmup_steps": 1, "epochs": 1.5, "checkpoint_every": 1000,
          "eval_every": 3, "eval_tokens": 256, "seed": 1, "device": "cpu"}
-
-
-def step(main, folder: Path, name: str, config: dict) -> tuple[int, dict | None]:
-    """One remote step in this process, as the host runs it (a config file, main(argv)); its manifest."""
-    path = folder / f"{name}.config.json"
-    path.write_text(json.dumps(config))
-    rc = main(["--config", str(path)])
-    m = Path(config["out_dir"]) / "manifest.json"
-    return rc, json.loads(m.read_text()) if m.is_file() else None
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +42,8 @@ def world(tiny_llama, tmp_path_factory):
     vocab = save_vocab([s.input_ids.tolist() for s in samples], [s.loss_mask.tolist() for s in samples], 512, 200,
                        d / "vocab")
     return {"dir": d, "target": str(tiny_llama), "dataset": str(write_dataset(d / "data.parquet", samples)),
-            "vocab": str(vocab), "train_ids": {s.sample_id for s in samples if s.split == "train"}}
+            "vocab": str(vocab), "train_ids": {s.sample_id for s in samples if s.split == "train"},
+            "capture": CAPTURE, "train": TRAIN}
 
 
 def recorder(monkeypatch, train_ids: set[str]) -> list[list[str]]:
@@ -69,47 +59,6 @@ def recorder(monkeypatch, train_ids: set[str]) -> list[list[str]]:
 
     monkeypatch.setattr(CaptureIndex, "load", recording)
     return seen
-
-
-def plan(world, run: Path, budget: float) -> tuple[int, dict | None]:
-    return step(windows_main, run, "windows", {"dataset": world["dataset"], "target": world["target"],
-                                               "out_dir": str(run / "windows"),
-                                               "capture": {**CAPTURE, "max_disk_gb": budget}, "train": TRAIN})
-
-
-def capture(world, run: Path, name: str, ids_file: str = "", budget: float = 0.0) -> dict:
-    rc, m = step(capture_main, run, name, {**CAPTURE, "dataset": world["dataset"], "target": world["target"],
-                                           "out_dir": str(run / name), "cache_root": str(run / "cache"),
-                                           "sample_ids": ids_file, "max_disk_gb": budget})
-    assert rc == 0
-    return m
-
-
-def train_config(world, run: Path, capture_dir: str, out: str, **wiring) -> dict:
-    return {**TRAIN, "capture_dir": capture_dir, "vocab_dir": world["vocab"], "out_dir": str(run / out), **wiring}
-
-
-def in_windows(world, run: Path, budget: float, kill_window: int | None = None, **train) -> tuple[dict, list[dict]]:
-    """The flow's window loop: plan, capture the held-out samples, then capture, train and free each window."""
-    rc, planned = plan(world, run, budget)
-    assert rc == 0
-    windows = run / "windows"
-    heldout = capture(world, run, "capture-heldout", str(windows / HELDOUT_IDS), budget)
-    trained = []
-    for w in range(planned["counts"]["windows"]):
-        cap = capture(world, run, f"capture-w{w:03d}", str(windows / window_ids_file(w)), budget)
-        cfg = train_config(world, run, str(run / f"capture-w{w:03d}"), f"train-w{w:03d}", windows=str(windows),
-                           window=w, checkpoint_dir=str(run / "checkpoints"), **train)
-        if w == kill_window:  # a real SIGKILL of the step's process, after its first checkpoint mid-window
-            killed = run_train(cfg, run / f"train-w{w:03d}.kill.json", kill_after_checkpoint=1)
-            assert killed.returncode == -9 and not (run / f"train-w{w:03d}").exists()
-        rc, m = step(train_main, run, f"train-w{w:03d}", cfg)
-        assert rc == 0
-        trained.append(m)
-        rc, freed = step(free_main, run, f"free-w{w:03d}", {"capture_dir": str(run / f"capture-w{w:03d}"),
-                                                            "out_dir": str(run / f"free-w{w:03d}")})
-        assert rc == 0 and freed["counts"]["shards"] == cap["counts"]["shards"] - len(heldout["capture"]["shards"])
-    return planned, trained
 
 
 def losses(out: Path) -> list[float]:

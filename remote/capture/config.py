@@ -53,7 +53,8 @@ class CaptureOptions(PatchWorkerOptions):
     layer, about half of bf16's bytes (read back in the capture dtype, within e4m3's rounding)"""
     max_disk_gb: float = bounded(0.0, ge=0)
     """disk budget of the capture's shards, GB (10^9 bytes): those the cache holds for these samples plus
-    those to write; a capture that would pass it is refused before the engine starts; 0: no budget"""
+    those to write; a capture that would pass it is refused before the engine starts, and the training flow
+    (one host) captures and trains in windows that fit it instead (docs/TRAINING.md); 0: no budget"""
     max_model_len: int = bounded(0, ge=0)
     """vLLM's context length; 0: the longest sample + 1"""
     device: Literal["auto", "cuda", "cpu"] = "auto"
