@@ -23,7 +23,6 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -37,28 +36,20 @@ from remote.capture.backend_vllm import VllmCapture  # noqa: E402
 from remote.capture.capture import CaptureConfig, read_dataset  # noqa: E402
 from remote.capture.cache import CaptureCache, cache_key  # noqa: E402
 from remote.capture.layers import TargetConfig, default_layer_ids  # noqa: E402
+from tests.fixtures.polling import Poller  # noqa: E402
 
 
-class RssSampler:
+class RssSampler(Poller):
     """RSS of this process's vLLM worker (the writer) every `every` seconds, in a thread."""
 
     def __init__(self, every: float = 0.5):
-        self.every, self.samples, self._stop = every, [], threading.Event()
+        super().__init__(every)
+        self.samples = []
         self.worker = next(p for p in psutil.Process().children(recursive=True) if "Worker" in " ".join(p.cmdline()) or "Worker" in p.name())
         self._t0 = time.monotonic()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _run(self):
-        while not self._stop.wait(self.every):
-            self.samples.append((round(time.monotonic() - self._t0, 2), round(self.worker.memory_info().rss / 2**20, 1)))
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
+    def sample(self):
+        self.samples.append((round(time.monotonic() - self._t0, 2), round(self.worker.memory_info().rss / 2**20, 1)))
 
     @property
     def peak_mib(self) -> float:

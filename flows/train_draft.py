@@ -33,6 +33,7 @@ from tasks.prepare import embedded_default, prepare_data
 from tasks.regenerate import regenerate_answers
 from tasks.ship import ship_code_task
 from tasks.train import build_vocab, export_draft, train_draft as train_draft_task
+from tasks.windows import plan_windows, train_in_windows
 
 
 class TrainDraftResult(BaseModel):
@@ -60,7 +61,8 @@ def train_draft(
     eval: EvalParams = EvalParams(),
 ) -> TrainDraftResult:
     """Ship code, regenerate the answers (when asked), prepare data, patch the worker, capture, build the
-    vocab, train, export, evaluate.
+    vocab, train, export, evaluate. When the states would pass capture.max_disk_gb, capture and training
+    alternate in windows that fit it (tasks/windows.py; one host).
 
     With extra_hosts every step up to training runs on every host (capture: each its share of the
     samples), training spans them all, and export and evaluation run on the first host."""
@@ -85,11 +87,18 @@ def train_draft(
         datasets = prepare_data.map(ctxs, unmapped(p.target), unmapped(p.data)).result()
         dataset = same_data(datasets, hosts)
         patch_worker.map(ctxs, unmapped(p.target), unmapped(p.capture)).result()
-        captured = capture_hidden_states.map(ctxs, unmapped(p.target), datasets, unmapped(p.capture)).result()
-        vocab = build_vocab(ctx, p.target, dataset, p.train)
-        vocabs = [vocab, *copy_vocab.map(ctxs[1:], unmapped(ctx), unmapped(vocab)).result()]
-        checkpoint = train_draft_task.map(ctxs, unmapped(p.target), captured, vocabs, unmapped(p.train),
-                                          nodes).result()[0]  # every host at once: torchrun waits for all
+        # a disk budget on one host: do the states fit it, or must capture and training alternate in windows?
+        windows = plan_windows(ctx, p.target, dataset, p.capture, p.train) if p.capture.max_disk_gb and not p.extra_hosts else None
+        if windows is not None and windows.windows:
+            vocab = build_vocab(ctx, p.target, dataset, p.train)
+            heldout, checkpoint = train_in_windows(ctx, p.target, dataset, p.capture, vocab, p.train, windows)
+            captured = [heldout]
+        else:
+            captured = capture_hidden_states.map(ctxs, unmapped(p.target), datasets, unmapped(p.capture)).result()
+            vocab = build_vocab(ctx, p.target, dataset, p.train)
+            vocabs = [vocab, *copy_vocab.map(ctxs[1:], unmapped(ctx), unmapped(vocab)).result()]
+            checkpoint = train_draft_task.map(ctxs, unmapped(p.target), captured, vocabs, unmapped(p.train),
+                                              nodes).result()[0]  # every host at once: torchrun waits for all
         draft = export_draft(ctx, p.target, captured[0], vocab, checkpoint, dataset)
         report = evaluate_draft(ctx, p.target, draft, dataset, captured[0], p.eval)
         publish_summary(report)

@@ -39,7 +39,9 @@ STEP_MODULES = {
     "regenerate": "remote.data.regenerate",
     "patch_worker": "remote.capture.patch_worker",
     "capture": "remote.capture.capture",
+    "free_capture": "remote.capture.free",
     "vocab": "remote.train.vocab",
+    "windows": "remote.train.windows",
     "train": "remote.train.train",
     "export": "remote.train.export",
     "evaluate": "remote.evaluate.evaluate",
@@ -234,7 +236,7 @@ def begin_step(cls: type[T], raw: dict, step: str, summary: Callable[[dict], str
     cfg = load_config(cls, raw, where=f"{step} config")
     if not cfg.out_dir:
         raise BadInput(f"{step} config: out_dir: expected the step's folder, got an empty path")
-    config = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))  # as the manifest holds it
+    config = as_recorded(dataclasses.asdict(cfg))
     out = StepOutput(cfg.out_dir, step, config)
     done = out.done()
     if done is not None and done.get("config") != config:
@@ -252,6 +254,11 @@ def begin_step(cls: type[T], raw: dict, step: str, summary: Callable[[dict], str
         log(f"{step}: removing {out.staging}, left by a run that did not finish")
         _rmtree(out.staging)
     return cfg, out, done
+
+
+def as_recorded(config: dict) -> dict:
+    """A config as a manifest holds it (JSON: tuples as lists): what "finished with the same config" compares."""
+    return json.loads(json.dumps(config, default=str))
 
 
 def _check_staged(out: StepOutput, step: str) -> None:

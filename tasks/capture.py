@@ -2,6 +2,7 @@
 
     ready = patch_worker(ctx, target, capture)                        # -> WorkerReady (None: transformers)
     captured = capture_hidden_states(ctx, target, dataset, capture)   # -> CapturedStates(path, shards, ...)
+    free_capture(ctx, captured)                                       # a trained window's shards (tasks/windows.py)
 
 Both are thin: build the step's config from the flow's parameters, run `remote.capture.patch_worker` /
 `remote.capture.capture` through the host (tasks.remote_step: the log streams into the run log, progress
@@ -13,6 +14,7 @@ samples (ctx.part of ctx.parts, tasks/multihost.py), mapped over the hosts by th
 """
 from __future__ import annotations
 
+import posixpath
 from dataclasses import asdict
 from typing import Optional
 
@@ -20,13 +22,15 @@ from prefect import get_run_logger
 from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel
 
-from remote.capture.config import CaptureConfig, CaptureOptions, PatchWorkerConfig, PatchWorkerOptions
+from remote.capture.config import (CaptureConfig, CaptureOptions, FreeCaptureConfig, PatchWorkerConfig,
+                                   PatchWorkerOptions)
 from remote.config import TargetOptions, pick
 from tasks.context import RunContext, step_task
 from tasks.prepare import PreparedData
 
 PATCH_TIMEOUT_S = 1800  # a 1T-parameter model built on the meta device takes minutes, not hours
 CAPTURE_TIMEOUT_S = 24 * 3600  # the long step: ~10k conversations take minutes; millions take many hours
+FREE_TIMEOUT_S = 600
 
 
 class WorkerReady(BaseModel):
@@ -62,12 +66,14 @@ def patch_config(out_dir: str, target: TargetOptions, capture: PatchWorkerOption
                                     trust_remote_code=target.trust_remote_code))
 
 
-def capture_config(ctx: RunContext, dataset: PreparedData, target: TargetOptions, capture: CaptureOptions) -> dict:
-    """The remote config of remote.capture.capture (checked here) from the flow's options and the prepared dataset."""
+def capture_config(ctx: RunContext, dataset: PreparedData, target: TargetOptions, capture: CaptureOptions,
+                   folder: str = "capture", sample_ids: str = "") -> dict:
+    """The remote config of remote.capture.capture (checked here) from the flow's options and the prepared dataset;
+    a window of a run in windows has its own folder and its list of sample ids."""
     return asdict(CaptureConfig(**pick(CaptureOptions, capture), dataset=dataset.path, target=target.model,
-                                out_dir=ctx.step_dir("capture"), cache_root=ctx.cache_root,
+                                out_dir=ctx.step_dir(folder), cache_root=ctx.cache_root,
                                 target_revision=target.revision, trust_remote_code=target.trust_remote_code,
-                                host_part=ctx.part, host_parts=ctx.parts))
+                                host_part=ctx.part, host_parts=ctx.parts, sample_ids=sample_ids))
 
 
 def figures_table(manifest: dict) -> list[dict]:
@@ -102,21 +108,33 @@ def patch_worker(ctx: RunContext, target: TargetOptions, capture: CaptureOptions
 
 
 @step_task(name="capture-hidden-states")
-def capture_hidden_states(ctx: RunContext, target: TargetOptions, dataset: PreparedData,
-                          capture: CaptureOptions) -> CapturedStates:
-    """Capture the target's hidden states on the prepared data (a retry resumes at the first missing shard)."""
-    m = ctx.run_step("capture", capture_config(ctx, dataset, target, capture), timeout=CAPTURE_TIMEOUT_S,
-                     title="Capturing hidden states")
+def capture_hidden_states(ctx: RunContext, target: TargetOptions, dataset: PreparedData, capture: CaptureOptions,
+                          folder: str = "capture", sample_ids: str = "") -> CapturedStates:
+    """Capture the target's hidden states on the prepared data, or on the samples a file of ids names (a window;
+    its own step folder); a retry resumes at the first missing shard."""
+    m = ctx.run_step("capture", capture_config(ctx, dataset, target, capture, folder, sample_ids),
+                     timeout=CAPTURE_TIMEOUT_S, title="Capturing hidden states")
     c, f, cap = m["counts"], m["figures"], m["capture"]
     create_table_artifact(key="capture-figures", table=figures_table(m),
                           description=f"capture: {c['captured']} samples captured, {c['reused']} reused, "
                                       f"{_rate(f)}")
     get_run_logger().info("captured %d samples (%d reused) into %d shards in %s; %s", c["captured"], c["reused"],
                           c["shards"], cap["cache_dir"], _rate(f))
-    return CapturedStates(path=ctx.step_dir("capture"), cache_dir=cap["cache_dir"], shards=cap["shards"],
+    return CapturedStates(path=ctx.step_dir(folder), cache_dir=cap["cache_dir"], shards=cap["shards"],
                           layer_ids=cap["layer_ids"], hidden_size=cap["hidden_size"], dtype=cap["dtype"],
                           samples=c["samples"], captured=c["captured"], reused=c["reused"], tokens=c["tokens"],
                           figures=f)
+
+
+@step_task(name="free-capture")
+def free_capture(ctx: RunContext, captured: CapturedStates) -> int:
+    """Remove a trained window's shards from the host's cache (remote.capture.free); the bytes freed."""
+    folder = posixpath.basename(captured.path).replace("capture", "free", 1)
+    config = asdict(FreeCaptureConfig(capture_dir=captured.path, out_dir=ctx.step_dir(folder)))
+    m = ctx.run_step("free_capture", config, timeout=FREE_TIMEOUT_S, title="Freeing the window's states")
+    get_run_logger().info("freed %d shard(s), %d bytes, of %s", m["counts"]["shards"], m["figures"]["bytes"],
+                          captured.path)
+    return m["figures"]["bytes"]
 
 
 def _rate(f: dict) -> str:

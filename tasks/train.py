@@ -42,6 +42,11 @@ class TrainedDraft(BaseModel):
     path: str  # the train step folder on the host
     steps: int
     figures: dict  # final_loss, final_acc (per TTT step), tokens_per_s, train_seconds
+    final: bool = True  # the draft is published here (false: a window before the run's end, a checkpoint only)
+
+    @classmethod
+    def from_manifest(cls, out_dir: str, m: dict) -> "TrainedDraft":
+        return cls(path=out_dir, steps=m["counts"]["steps"], figures=m["figures"], final=m["train"].get("final", True))
 
 
 class ExportedDraft(BaseModel):
@@ -53,15 +58,16 @@ def vocab_config(out_dir: str, target: TargetOptions, dataset: PreparedData, par
     return asdict(VocabConfig(**pick(VocabOptions, params), data=dataset.out_dir, target=target.model, out_dir=out_dir))
 
 
-def train_config(out_dir: str, target: TargetOptions, captured: CapturedStates, vocab: DraftVocabInfo,
-                 params: TrainOptions, node: NodeLaunch | None = None) -> dict:
+def train_config(out_dir: str, target: TargetOptions, capture_dir: str, vocab: DraftVocabInfo,
+                 params: TrainOptions, node: NodeLaunch | None = None, **window) -> dict:
     """remote.train.train's config (checked here) from the flow's train options; `node` (of a run over
-    several hosts) adds where this host joins torchrun's rendezvous."""
-    wiring = {}
+    several hosts) adds where this host joins torchrun's rendezvous; `window` (windows, window,
+    checkpoint_dir) the window of a run in windows."""
+    wiring = dict(window)
     if node is not None and node.nnodes > 1:
-        wiring = dict(nnodes=node.nnodes, node_rank=node.node_rank, rdzv_endpoint=node.rdzv_endpoint,
+        wiring.update(nnodes=node.nnodes, node_rank=node.node_rank, rdzv_endpoint=node.rdzv_endpoint,
                       local_addr=node.local_addr)
-    return asdict(TrainConfig(**pick(TrainOptions, params), capture_dir=captured.path, vocab_dir=vocab.path,
+    return asdict(TrainConfig(**pick(TrainOptions, params), capture_dir=capture_dir, vocab_dir=vocab.path,
                               target=target.model, out_dir=out_dir, **wiring))
 
 
@@ -104,20 +110,21 @@ def build_vocab(ctx: RunContext, target: TargetOptions, dataset: PreparedData, p
 
 @step_task(name="train-draft")
 def train_draft(ctx: RunContext, target: TargetOptions, captured: CapturedStates, vocab: DraftVocabInfo,
-                params: TrainOptions, node: NodeLaunch | None = None) -> TrainedDraft:
+                params: TrainOptions, node: NodeLaunch | None = None, folder: str = "train", **window) -> TrainedDraft:
     """Train on this host; in a run over several hosts, this host's node of the torchrun job (the
-    flow starts every node at once; the draft is written on node 0)."""
-    out_dir = ctx.step_dir("train")
-    m = ctx.run_step("train", train_config(out_dir, target, captured, vocab, params, node), timeout=TRAIN_TIMEOUT_S,
-                     title="Draft training")
+    flow starts every node at once; the draft is written on node 0); in a run in windows, one
+    window's steps (its folder, and `window`: tasks.windows.window_wiring)."""
+    out_dir = ctx.step_dir(folder)
+    m = ctx.run_step("train", train_config(out_dir, target, captured.path, vocab, params, node, **window),
+                     timeout=TRAIN_TIMEOUT_S, title="Draft training")
     c = m["counts"]
     get_run_logger().info("trained %d steps, world size %d over %d host(s); tokens by host %s",
                           c["steps"], c["world_size"], c.get("nnodes", 1), m["figures"].get("tokens_by_node"))
-    if ctx.part == 0:  # the manifest's curve, not the streamed events: those of a resumed or skipped run are partial
+    if ctx.part == 0 and m["train"].get("final", True):  # the manifest's curve: streamed events of a resumed run are partial
         markdown = loss_curve_markdown(m["train"]["loss_points"], m["figures"], m["train"].get("heldout_points"))
         create_markdown_artifact(key="draft-training", markdown=markdown, description=(
             f"draft training: {c['steps']} steps, final loss {m['figures'].get('final_loss', 0):.4f}"))
-    return TrainedDraft(path=out_dir, steps=m["counts"]["steps"], figures=m["figures"])
+    return TrainedDraft.from_manifest(out_dir, m)
 
 
 @step_task(name="export-draft")

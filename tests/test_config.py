@@ -96,7 +96,7 @@ def test_the_controller_refuses_before_anything_runs():
     with pytest.raises(ConfigError, match="model: expected a string, got null"):
         TargetOptions(model=None)
     with pytest.raises(ConfigError, match="ttt_steps: expected an integer >= 1, got 0"):
-        train_config("/o", TargetOptions(), SimpleNamespace(path="/c"),
+        train_config("/o", TargetOptions(), "/c",
                      DraftVocabInfo(path="/v", draft_vocab_size=1, coverage=1.0), SimpleNamespace(
                          **{**dataclasses.asdict(TrainOptions()), "ttt_steps": 0}))
 

@@ -24,6 +24,9 @@ STEPS = {  # step -> (its config, a changed key and value)
     "capture": ({"dataset": f"{NOWHERE}/data.parquet", "target": f"{NOWHERE}/model", "cache_root": f"{NOWHERE}/cache"},
                 ("samples_per_shard", 8)),
     "vocab": ({"data": f"{NOWHERE}/prepare", "target": f"{NOWHERE}/model"}, ("draft_vocab_size", 100)),
+    "free_capture": ({"capture_dir": f"{NOWHERE}/capture-w000"}, ("capture_dir", f"{NOWHERE}/capture-w001")),
+    "windows": ({"dataset": f"{NOWHERE}/data.parquet", "target": f"{NOWHERE}/model", "capture": {"max_disk_gb": 1.0},
+                 "train": {}}, ("capture", {"max_disk_gb": 2.0})),
     "train": ({"capture_dir": f"{NOWHERE}/capture", "vocab_dir": f"{NOWHERE}/vocab"}, ("lr", 5e-4)),
     "export": ({"train_dir": f"{NOWHERE}/train", "vocab_dir": f"{NOWHERE}/vocab"}, ("dtype", "float32")),
     "evaluate": ({"target": f"{NOWHERE}/model", "draft_dir": f"{NOWHERE}/draft", "data": f"{NOWHERE}/data.parquet"},
@@ -39,7 +42,7 @@ EXTRA = {"capture": {"capture": {"shards": [], "shard_bytes": {}}}, "embedded_de
          "promote": {"decision": {"reason": "better"}}, "regenerate": {"counts": {"conversations": 3}}}
 CONFIG_CLASS = {"prepare": "PrepareConfig", "embedded_default": "EmbeddedDefaultConfig", "data_delta": "DataDeltaConfig",
                 "patch_worker": "PatchWorkerConfig", "capture": "CaptureConfig", "vocab": "VocabConfig",
-                "train": "TrainConfig", "export": "ExportConfig", "evaluate": "EvaluateConfig",
+                "train": "TrainConfig", "windows": "WindowsConfig", "free_capture": "FreeCaptureConfig", "export": "ExportConfig", "evaluate": "EvaluateConfig",
                 "online_eval": "OnlineConfig", "promote": "PromoteConfig", "regenerate": "RegenerateConfig"}
 REMADE = ("embedded_default", "regenerate")  # caches shared by runs: another config makes the folder again
 

@@ -141,7 +141,7 @@ def test_task_configs_and_loss_artifact():
 
     params = TrainParams(ttt_steps=7, epochs=1.5, lr=3e-4, token_budget=4096, nproc_per_node=8,
                          checkpoint_every=200, warm_start="", optimizer="adamw", eval_every=10, patience=3)
-    cfg = train_config("/r/train", SimpleNamespace(model="/m"), SimpleNamespace(path="/r/capture"),
+    cfg = train_config("/r/train", SimpleNamespace(model="/m"), "/r/capture",
                        DraftVocabInfo(path="/r/vocab", draft_vocab_size=10, coverage=0.9), params)
     t = load_config(TrainConfig, cfg)  # every key is one remote.train.train knows
     assert (t.nproc_per_node, t.token_budget, t.epochs, t.target, t.optimizer) == (8, 4096, 1.5, "/m", "adamw")

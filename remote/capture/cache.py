@@ -255,6 +255,16 @@ class CaptureCache:
             names.add(holders[s.sample_id][1])
         return [str(self.folder / n) for n in sorted(names)]
 
+    def remove(self, paths: Iterable[str]) -> int:
+        """Delete these shards and their index entries (a trained window's); returns the bytes freed."""
+        freed = 0
+        for p in paths:
+            entry = self.index.pop(Path(p).name, None)
+            freed += entry["bytes"] if entry else 0
+            Path(p).unlink(missing_ok=True)
+        self._save()
+        return freed
+
     def shard_bytes(self, paths: Iterable[str]) -> dict[str, int]:
         return {p: self.index[Path(p).name]["bytes"] for p in paths}
 

@@ -25,6 +25,7 @@ only its part of the samples (host_part of host_parts, chosen before either back
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -35,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from remote.capture.backend import Progress, make_backend
-from remote.capture.config import DTYPES, CaptureConfig
+from remote.capture.config import DTYPES, CaptureConfig, CaptureOptions
 from remote.capture.cache import CaptureCache, SampleRow, cache_key
 from remote.capture.layers import TargetConfig, check_layer_ids, default_layer_ids
 from remote.capture.store import bytes_per_token, shard_overhead, storage_of
@@ -101,11 +102,26 @@ def host_share(samples: list[SampleRow], cfg: CaptureConfig) -> list[SampleRow]:
     return mine
 
 
+def subset(samples: list[SampleRow], ids_file: str) -> list[SampleRow]:
+    """The samples a JSON list of ids names (a window of a run that captures in windows), in dataset order."""
+    path = Path(ids_file)
+    if not path.is_file():
+        raise BadInput(f"sample_ids {ids_file} does not exist (expected a JSON list of sample ids)")
+    wanted = json.loads(path.read_text())
+    chosen = [s for s in samples if s.sample_id in set(wanted)]
+    if len(chosen) != len(set(wanted)):
+        found = {s.sample_id for s in chosen}
+        missing = [w for w in wanted if w not in found]
+        raise BadInput(f"sample_ids {ids_file}: {len(missing)} id(s) the dataset lacks (this host's part), e.g. {missing[0]}")
+    log(f"sample_ids {ids_file}: {len(chosen)} of {len(samples)} samples")
+    return chosen
+
+
 # ----------------------------------------------------------------------------- the step
-def resolve_dtype(cfg: CaptureConfig, target: TargetConfig) -> str:
+def resolve_dtype(cfg: CaptureOptions, target: TargetConfig) -> str:
     dtype = target.dtype if cfg.dtype == "auto" else cfg.dtype
     if dtype not in DTYPES[1:]:
-        raise BadInput(f"target {cfg.target}: dtype {dtype!r} from config.json is not one of {sorted(DTYPES[1:])}; "
+        raise BadInput(f"target {target.path}: dtype {dtype!r} from config.json is not one of {sorted(DTYPES[1:])}; "
                        "set dtype in the capture config")
     return dtype
 
@@ -174,6 +190,8 @@ def run(raw: dict) -> dict:
     dtype = resolve_dtype(cfg, target)
     storage = storage_of(dtype, cfg.storage_dtype)
     samples = host_share(read_dataset(cfg.dataset, target.vocab_size), cfg)
+    if cfg.sample_ids:
+        samples = subset(samples, cfg.sample_ids)
     max_len = max(int(s.input_ids.size) for s in samples)
     if cfg.max_model_len and max_len + 1 > cfg.max_model_len:
         longest = max(samples, key=lambda s: s.input_ids.size)

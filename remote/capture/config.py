@@ -53,7 +53,8 @@ class CaptureOptions(PatchWorkerOptions):
     layer, about half of bf16's bytes (read back in the capture dtype, within e4m3's rounding)"""
     max_disk_gb: float = bounded(0.0, ge=0)
     """disk budget of the capture's shards, GB (10^9 bytes): those the cache holds for these samples plus
-    those to write; a capture that would pass it is refused before the engine starts; 0: no budget"""
+    those to write; a capture that would pass it is refused before the engine starts, and the training flow
+    (one host) captures and trains in windows that fit it instead (docs/TRAINING.md); 0: no budget"""
     max_model_len: int = bounded(0, ge=0)
     """vLLM's context length; 0: the longest sample + 1"""
     device: Literal["auto", "cuda", "cpu"] = "auto"
@@ -91,6 +92,8 @@ class CaptureConfig(CaptureOptions):
     remote.data.prepare.host_of(sample_id, host_parts) == host_part"""
     host_parts: int = bounded(1, ge=1)
     """hosts that share the capture (1: this one captures all of them)"""
+    sample_ids: str = ""
+    """a JSON file listing the ids of the samples to capture (a window's, from the windows step); "": every sample"""
 
     def __post_init__(self):
         super().__post_init__()
@@ -98,3 +101,11 @@ class CaptureConfig(CaptureOptions):
             raise ConfigError(f"host_part={self.host_part} of host_parts={self.host_parts}: need 0 <= host_part < host_parts")
         if self.backend == "transformers" and self.tensor_parallel_size != 1:
             raise ConfigError("the transformers backend runs on one device: set tensor_parallel_size=1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FreeCaptureConfig(Checked):
+    capture_dir: str
+    """a finished capture step folder of one window (its manifest lists its shards in the cache)"""
+    out_dir: str
+    """this step's folder (its manifest: the shards removed and the bytes freed)"""

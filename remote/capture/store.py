@@ -55,10 +55,18 @@ def bytes_per_token(n_aux: int, hidden: int, storage: str) -> int:
     return (n_aux + 1) * hidden * VALUE_BYTES[storage] + scales + 5
 
 
+SHARD_HEADER_BYTES = 1024  # a shard's header beyond its samples' entries, within a few hundred bytes
+
+
+def sample_overhead(sample_id: str, split: str) -> int:
+    """Bytes a sample adds to a shard beyond its tokens: its cu_seqlens entry, its id and split in the header."""
+    return 8 + len(sample_id) + len(split) + 12
+
+
 def shard_overhead(sample_ids: Sequence[str], splits: Sequence[str]) -> int:
     """Bytes of a shard beyond its tokens: cu_seqlens and the header (ids and splits, escaped, and the
     tensor entries), within a few hundred bytes."""
-    return 1024 + sum(8 + len(sid) + len(sp) + 12 for sid, sp in zip(sample_ids, splits))
+    return SHARD_HEADER_BYTES + sum(sample_overhead(sid, sp) for sid, sp in zip(sample_ids, splits))
 
 
 def quantize(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:

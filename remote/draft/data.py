@@ -2,6 +2,7 @@
 
     index = CaptureIndex.build(CaptureSet.from_manifest(capture_dir), split="train")
     plan = pack(index.lengths, 8192, epoch_order(len(index.refs), seed=0, epoch=0))  # [[sample indices], ...]
+    plans, total_steps = plan_steps(index.lengths, train_options, micro=8, epochs=epochs_for(train_options, tokens))
     batch = index.load(plan[i], token_budget=8192)                   # a remote.draft.loss.PackedBatch
     index.set_in_draft(flags)        # per-sample [length] bool, precomputed once (remote.train.train)
 
@@ -13,6 +14,7 @@ is refused by name. (remote.capture.store owns the format; this reads it through
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass
 
@@ -21,7 +23,7 @@ from safetensors import safe_open
 
 from remote.capture.store import SHARD_KEYS, CaptureSet, read_rows
 from remote.draft.loss import PackedBatch
-from remote.step import BadInput
+from remote.step import BadInput, log
 
 
 @dataclass(frozen=True)
@@ -155,3 +157,36 @@ def pack(lengths: list[int], token_budget: int, order: list[int], max_tokens: in
     if cur:
         batches.append(cur)
     return batches
+
+
+def epochs_for(cfg, data_tokens: float) -> float:
+    """Passes over the train split a TrainOptions budget asks for, given the split's tokens (each sample cut to
+    token_budget, every host's): epochs, or train_tokens' worth, or auto_train_tokens' worth within 1 to 10;
+    with max_steps the plan is cut by steps instead."""
+    if cfg.max_steps or (cfg.epochs and not cfg.train_tokens):
+        return cfg.epochs or 1.0
+    if cfg.train_tokens:
+        return cfg.train_tokens / data_tokens
+    epochs = min(10.0, max(1.0, cfg.auto_train_tokens / data_tokens))
+    log(f"train: {epochs:.2f} epochs of {data_tokens:.0f} train tokens (about auto_train_tokens={cfg.auto_train_tokens})")
+    return epochs
+
+
+def plan_steps(lengths: list[int], cfg, micro: int, epochs: float,
+               fewest=lambda steps: steps) -> tuple[list[list[list[int]]], int]:
+    """(per epoch the packing plan cut to whole optimizer steps of `micro` micro-batches, the steps to train):
+    the training's one plan, a function of the samples' lengths and the TrainOptions (seed, token_budget,
+    max_steps). `fewest` makes an epoch's steps those of the host with the fewest (several hosts)."""
+    plans, steps = [], 0
+    for e in range(math.ceil(epochs) if not cfg.max_steps else 10 ** 9):
+        plan = pack(lengths, cfg.token_budget, epoch_order(len(lengths), cfg.seed, e))
+        n = fewest(len(plan) // micro)
+        if n == 0:
+            raise BadInput(f"{len(plan)} micro-batches of {cfg.token_budget} tokens (on the host with the fewest) "
+                           f"are fewer than one optimizer step needs ({micro} = {micro // cfg.grad_accum} processes "
+                           f"x grad_accum {cfg.grad_accum})")
+        plans.append(plan[: n * micro])
+        steps += n
+        if cfg.max_steps and steps >= cfg.max_steps:
+            break
+    return plans, cfg.max_steps or max(1, round(steps * epochs / math.ceil(epochs)))

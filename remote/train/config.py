@@ -136,11 +136,32 @@ class TrainConfig(TrainOptions):
     """host:port of the rendezvous for nnodes > 1"""
     local_addr: str = ""
     """this host's address as the other hosts reach it (torchrun --local-addr); "": its hostname"""
+    windows: str = ""
+    """a windows step folder (a run that captures in windows): train only window `window`'s steps of its plan,
+    checkpoint at its end, and publish the draft only at the run's end; "": train on the whole capture"""
+    window: int = bounded(0, ge=0)
+    """the window of `windows` this step trains (its capture_dir holds that window's samples)"""
+    checkpoint_dir: str = ""
+    """where checkpoints are kept; "": <out_dir>.partial/checkpoints (the windows of a run share one)"""
 
     def __post_init__(self):
         super().__post_init__()
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise ConfigError(f"rdzv_endpoint: nnodes={self.nnodes} needs host:port of node 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WindowsConfig(Checked):
+    dataset: str
+    """the prepare step's data.parquet"""
+    target: str
+    """the target model folder (config.json: hidden size, layers, dtype)"""
+    out_dir: str
+    """where windows.json and the windows' sample lists go"""
+    capture: dict
+    """the capture options (remote.capture.config.CaptureOptions): the disk budget, storage dtype, layer ids, shards"""
+    train: dict
+    """the train options (TrainOptions): the budget in steps or epochs, the packing, processes and grad_accum"""
 
 
 @dataclass(frozen=True, kw_only=True)

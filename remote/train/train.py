@@ -48,7 +48,7 @@ import torch
 
 from remote.capture.store import CaptureSet
 from remote.draft.config import DraftConfig
-from remote.draft.data import CaptureIndex, epoch_order, pack
+from remote.draft.data import CaptureIndex, epochs_for, plan_steps
 from remote.draft.loss import TargetHead, TTTObjective, step_weights
 from remote.draft.model import EagleDraft
 from remote.evaluate.evaluate import chain_tally, heldout_plan
@@ -56,12 +56,15 @@ from remote.step import BadInput, StepOutput, begin_step, emit, log, progress, s
 from remote.train.config import TrainConfig
 from remote.train.state import Checkpoints, Distributed, load_target_head_weights, save_weights
 from remote.train.vocab import DraftVocab
+from remote.train.windows import TrainWindow
 
 STEP = "train"
 
 
 # Settings a resumed run may change: they decide what is logged and kept, not what is trained.
 RESUMABLE_CHANGES = ("checkpoint_every", "keep_checkpoints", "log_every", "rdzv_endpoint", "local_addr")
+# ... and what a run in windows changes from one window to the next (the window's capture, its step folder)
+WINDOW_CHANGES = ("window", "capture_dir", "out_dir")
 
 
 # ----------------------------------------------------------------------------- the run
@@ -80,15 +83,23 @@ class Trainer:
         inputs = resolve_inputs(cfg)
         self.capture, self.vocab, self.dcfg, self.target = inputs
         self.index = CaptureIndex.build(self.capture, split="train")
+        # In windows the plan numbers every train sample (the windows step's list), this capture holds the window's
+        self.window = TrainWindow.load(cfg.windows, cfg.window) if cfg.windows else None
+        self.lengths = self.window.lengths if self.window else self.index.lengths
+        self.local = self.window.positions(self.index, cfg.capture_dir) if self.window else None
         self.heldout = self._heldout_index()
         self._build_model()
         self.micro = dist.local_world * cfg.grad_accum  # micro-batches per optimizer step of this host's ranks
-        self.plans = []  # per epoch: the packing plan, cut to whole optimizer steps
-        self.total_steps = self._plan(self._epochs())
+        # per epoch: the packing plan, cut to whole optimizer steps
+        self.plans, self.total_steps = plan_steps(self.lengths, cfg, self.micro, self._epochs(), self._fewest)
+        if self.window:
+            self.window.check(self.total_steps)
+        self.end_step = self.window.last_step if self.window else self.total_steps  # where this run stops
         self.warmup_steps = cfg.warmup_steps or math.ceil(cfg.warmup * self.total_steps)
         self.eval_every = cfg.eval_every or max(1, math.ceil(self.total_steps / 20))
         self.opt = build_optimizer(cfg, self.draft, self.cuda)
-        self.ckpt = Checkpoints(stage / "checkpoints", keep=cfg.keep_checkpoints)
+        self.ckpt = Checkpoints(Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else stage / "checkpoints",
+                                keep=cfg.keep_checkpoints)
         self.history: list[dict] = []
         self.step = 0
         self.my_tokens = 0  # tokens this rank trained on in this run (a resumed run counts from the resume)
@@ -104,33 +115,13 @@ class Trainer:
 
     def _epochs(self) -> float:
         """Passes over the train split the budget asks for (max_steps, when set, cuts the plan instead)."""
-        cfg = self.cfg
-        if cfg.max_steps or (cfg.epochs and not cfg.train_tokens):
-            return cfg.epochs or 1.0
-        mine = sum(min(n, cfg.token_budget) for n in self.index.lengths) if self.dist.local_rank == 0 else 0
+        mine = sum(min(n, self.cfg.token_budget) for n in self.lengths) if self.dist.local_rank == 0 else 0
         data = float(self.dist.all_reduce(torch.tensor(float(mine), device=self.dist.device)))  # every host's split
-        if cfg.train_tokens:
-            return cfg.train_tokens / data
-        epochs = min(10.0, max(1.0, cfg.auto_train_tokens / data))
-        log(f"train: {epochs:.2f} epochs of {data:.0f} train tokens (about auto_train_tokens={cfg.auto_train_tokens})")
-        return epochs
+        return epochs_for(self.cfg, data)
 
-    def _plan(self, epochs: float) -> int:
-        """Pack each epoch into whole optimizer steps (as many on every host); the number of steps to train."""
-        cfg, dist = self.cfg, self.dist
-        steps = 0
-        for e in range(math.ceil(epochs) if not cfg.max_steps else 10 ** 9):
-            plan = pack(self.index.lengths, cfg.token_budget, epoch_order(len(self.index.refs), cfg.seed, e))
-            n = int(dist.all_reduce(torch.tensor(len(plan) // self.micro, device=dist.device), op="min"))
-            if n == 0:
-                raise BadInput(f"{len(plan)} micro-batches of {cfg.token_budget} tokens (on the host with the fewest) "
-                               f"are fewer than one optimizer step needs ({self.micro} = {dist.local_world} processes "
-                               f"x grad_accum {cfg.grad_accum})")
-            self.plans.append(plan[: n * self.micro])
-            steps += n
-            if cfg.max_steps and steps >= cfg.max_steps:
-                break
-        return cfg.max_steps or max(1, round(steps * epochs / math.ceil(epochs)))
+    def _fewest(self, steps: int) -> int:
+        """The optimizer steps of an epoch on the host with the fewest (every host takes as many)."""
+        return int(self.dist.all_reduce(torch.tensor(steps, device=self.dist.device), op="min"))
 
     def _build_model(self):
         cfg, dev = self.cfg, self.dist.device
@@ -223,7 +214,8 @@ class Trainer:
             n = len(plan) // self.micro
             if step < n:
                 first = step * self.micro + self.dist.local_rank * self.cfg.grad_accum
-                return plan[first: first + self.cfg.grad_accum]
+                batches = plan[first: first + self.cfg.grad_accum]
+                return batches if self.local is None else [self.window.in_capture(b, self.local) for b in batches]
             step -= n
         raise AssertionError("step beyond the data plan")
 
@@ -277,10 +269,13 @@ class Trainer:
         return tally.summary(k) if tally.tokens else None
 
     def resume(self) -> None:
-        state = self.ckpt.load_latest(self.draft, self.opt, self.dist, asdict(self.cfg), RESUMABLE_CHANGES)
+        state = self.ckpt.load_latest(self.draft, self.opt, self.dist, asdict(self.cfg),
+                                      RESUMABLE_CHANGES + WINDOW_CHANGES)
         if state is not None:
             self.step, self.history = state["step"], state["history"]
             log(f"train: resumed at step {self.step} from {state['path']}")
+        if self.window:
+            self.window.check_start(self.step, self.ckpt.root)
 
     def train_step(self) -> dict:
         cfg, dev = self.cfg, self.dist.device
@@ -321,7 +316,7 @@ class Trainer:
         self.resume()
         self.ckpt.drop_bests_after(self.step, self.dist)  # kept aside after the checkpoint resumed from
         t_start, tokens = time.perf_counter(), 0
-        while self.step < self.total_steps and not self.stopped_early:
+        while self.step < self.end_step and not self.stopped_early:
             rec = self.train_step()
             self._evaluate_now(rec)
             self.history.append(rec)
@@ -330,7 +325,7 @@ class Trainer:
                 emit("train", step=rec["step"], loss=rec["loss"], acc=rec["acc"], lr=rec["lr"],
                      tokens_per_s=rec["tokens"] / rec["seconds"])
                 progress(self.step, self.total_steps, what="steps", loss=round(rec["loss"], 4))
-            if self.step % self.cfg.checkpoint_every == 0 or self.step == self.total_steps or self.stopped_early:
+            if self.step % self.cfg.checkpoint_every == 0 or self.step == self.end_step or self.stopped_early:
                 best = best_eval(self.history)
                 path = self.ckpt.save(self.step, self.draft, self.opt, self.history, self.dist, asdict(self.cfg),
                                       best_step=best["step"] if best else None)
@@ -345,6 +340,11 @@ class Trainer:
             by_node[str(node)] = by_node.get(str(node), 0) + n
         return {"tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0, "train_seconds": elapsed,
                 "tokens_by_node": by_node}
+
+    @property
+    def finished(self) -> bool:
+        """Whether the run is at its end (the last step, or stopped early): a window before that publishes no draft."""
+        return self.step >= self.total_steps or self.stopped_early
 
     @property
     def stopped_early(self) -> bool:
@@ -525,9 +525,14 @@ def train(cfg: TrainConfig, out: StepOutput) -> dict | None:
     figures.update(final_loss=last["loss"], final_acc=last["acc"], steps=trainer.step, **_heldout_figures(trainer))
     counts = {"train_samples": len(trainer.index.refs), "steps": trainer.step, "world_size": dist.world,
               "nnodes": cfg.nnodes, "tokens": sum(r["tokens"] for r in trainer.history)}
+    if trainer.window:
+        counts.update(window=cfg.window, windows=trainer.window.windows, total_steps=trainer.total_steps)
     dist.barrier()
     m = None
-    if dist.local_rank == 0 and cfg.node_rank == 0:
+    if dist.local_rank == 0 and trainer.window and not trainer.finished:  # the next window goes on from its checkpoint
+        m = out.publish(counts=counts, figures=figures, train={"final": False, "window": cfg.window,
+                                                               "checkpoints": str(trainer.ckpt.root)})
+    elif dist.local_rank == 0 and cfg.node_rank == 0:
         m = _publish_draft(cfg, out, trainer, counts, figures)
     dist.barrier()  # the other hosts say they are done only once node 0 has published the draft
     if dist.local_rank == 0 and cfg.node_rank > 0:
@@ -551,7 +556,7 @@ def _publish_draft(cfg: TrainConfig, out: StepOutput, trainer: Trainer, counts: 
     return out.publish(
         counts=counts,
         figures=figures,
-        train={"weights": "model.safetensors", "draft_config": "draft_config.json", "loss_curve": "loss.jsonl",
+        train={"final": True, "weights": "model.safetensors", "draft_config": "draft_config.json", "loss_curve": "loss.jsonl",
                "weights_step": best["step"] if best else trainer.step,
                "layer_ids": list(trainer.capture.layer_ids), "target": str(trainer.target),
                "capture_dir": cfg.capture_dir, "vocab_dir": cfg.vocab_dir, "data_fingerprint": _fingerprint(cfg.capture_dir),

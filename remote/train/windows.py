@@ -1,0 +1,236 @@
+"""Step: plan the capture in windows, when the captured states of the train split would pass the disk budget.
+
+    python -m remote.train.windows --config windows.config.json
+    # {"dataset": "<run>/prepare/data.parquet", "target": "/models/Kimi-K2.5", "out_dir": "<run>/windows",
+    #  "capture": {<the capture options>}, "train": {<the train options>}}
+
+The training's one plan (remote.draft.data.plan_steps: every epoch's sample order and packing into
+optimizer steps) is a function of the samples' lengths and the train options, so it is made here from
+the prepared data before anything is captured. A window is a run of consecutive optimizer steps of one
+epoch; its samples are those its steps read. Windows are cut greedily so that a window's states
+(store.bytes_per_token a token, fp8 aware, plus the shards' overhead: the capture's DiskPlan formula)
+and the held-out split's (captured once, kept for the whole run: the trainer's evaluations and the
+evaluate step read them) fit `capture.max_disk_gb`. One sample, or one step, whose states pass that is
+refused, naming the figures.
+
+Writes windows.json (the train sample ids and lengths in the order the plan numbers them, the total
+steps, each window's epoch, steps first_step..last_step, samples, tokens and bytes) and, when more than
+one window an epoch is needed, the sample ids each capture takes: heldout.ids.json and
+window-NNN.ids.json (window NNN's train samples and the held-out ones, which the cache then holds).
+The train step of window NNN (TrainConfig.windows, .window) trains exactly that window's steps.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from remote.capture.capture import _size, read_dataset, resolve_dtype
+from remote.capture.config import CaptureOptions
+from remote.capture.layers import TargetConfig, check_layer_ids, default_layer_ids
+from remote.capture.store import SHARD_HEADER_BYTES, bytes_per_token, sample_overhead, storage_of
+from remote.draft.data import CaptureIndex, epochs_for, plan_steps
+from remote.step import BadInput, begin_step, load_config, log, step_main, write_json_atomic
+from remote.train.config import TrainOptions, WindowsConfig
+
+STEP = "windows"
+PLAN = "windows.json"
+HELDOUT_IDS = "heldout.ids.json"
+
+
+def window_ids_file(window: int) -> str:
+    return f"window-{window:03d}.ids.json"
+
+
+# ----------------------------------------------------------------------------- the plan
+@dataclass
+class Window:
+    """Steps first_step..last_step (optimizer steps counted from 0, last exclusive) of one epoch."""
+
+    epoch: int
+    first_step: int
+    last_step: int
+    samples: list[int] = field(default_factory=list)  # positions in the plan's train samples
+    tokens: int = 0
+    states: int = 0  # bytes of the samples' states and entries
+    shards: int = 0
+
+    @property
+    def bytes(self) -> int:
+        return self.states + SHARD_HEADER_BYTES * self.shards
+
+
+class Sizes:
+    """Bytes of captured samples on disk: a sample's tokens x bytes per token and its entry; each shard's
+    header, shards closing by count (samples_per_shard) or size (max_shard_gib), as the cache plans them."""
+
+    def __init__(self, ids: list[str], splits: list[str], lengths: list[int], bpt: int, capture: CaptureOptions):
+        self.bpt, self.per_shard, self.shard_bytes = bpt, capture.samples_per_shard, int(capture.max_shard_gib * 2**30)
+        self.sample = [n * bpt + sample_overhead(i, s) for i, s, n in zip(ids, splits, lengths)]
+
+    def shards(self, samples: int, states: int) -> int:
+        return math.ceil(samples / self.per_shard) + states // self.shard_bytes
+
+    def of(self, samples: list[int]) -> int:
+        states = sum(self.sample[i] for i in samples)
+        return states + SHARD_HEADER_BYTES * self.shards(len(samples), states)
+
+
+def cut_windows(plans: list[list[list[int]]], micro: int, total_steps: int, lengths: list[int], sizes: Sizes,
+                room: int, refuse) -> list[Window]:
+    """Each epoch's optimizer steps, in order, cut greedily into windows whose states fit `room` bytes.
+    `refuse(samples, size)` names what cannot fit alone (one step's samples)."""
+    windows, step = [], 0
+    for epoch, plan in enumerate(plans):
+        current = None
+        for s in range(len(plan) // micro):
+            if step >= total_steps:
+                break
+            samples = [i for batch in plan[s * micro:(s + 1) * micro] for i in batch]
+            alone = sizes.of(samples)
+            if alone > room:
+                refuse(samples, alone)
+            if current is not None:
+                states = current.states + sum(sizes.sample[i] for i in samples)
+                if states + SHARD_HEADER_BYTES * sizes.shards(len(current.samples) + len(samples), states) > room:
+                    windows.append(current)
+                    current = None
+            if current is None:
+                current = Window(epoch, step, step)
+            current.samples += samples
+            current.tokens += sum(lengths[i] for i in samples)
+            current.states += sum(sizes.sample[i] for i in samples)
+            current.shards = sizes.shards(len(current.samples), current.states)
+            current.last_step = step = step + 1
+        if current is not None:
+            windows.append(current)
+    return windows
+
+
+# ----------------------------------------------------------------------------- what the train step reads
+@dataclass(frozen=True)
+class TrainWindow:
+    """One window of a plan, as the trainer takes it: the plan's train samples and this window's steps."""
+
+    folder: str
+    number: int
+    windows: int
+    first_step: int
+    last_step: int
+    total_steps: int
+    ids: list[str]
+    lengths: list[int]
+
+    @classmethod
+    def load(cls, folder: str, number: int) -> "TrainWindow":
+        p = Path(folder) / PLAN
+        if not p.is_file():
+            raise BadInput(f"windows {folder}: no {PLAN} (expected the windows step's folder)")
+        plan = json.loads(p.read_text())
+        if not 0 <= number < len(plan["windows"]):
+            raise BadInput(f"window {number}: the plan {p} has {len(plan['windows'])} windows")
+        w = plan["windows"][number]
+        return cls(folder, number, len(plan["windows"]), w["first_step"], w["last_step"], plan["total_steps"],
+                   plan["train_ids"], plan["lengths"])
+
+    def positions(self, index: CaptureIndex, capture_dir: str) -> dict[int, int]:
+        """The plan's sample position -> its position in this window's capture index."""
+        at = {sid: i for i, sid in enumerate(self.ids)}
+        stray = [r.sample_id for r in index.refs if r.sample_id not in at]
+        if stray:
+            raise BadInput(f"capture {capture_dir} holds train sample {stray[0]}, which the windows plan {self.folder} "
+                           "does not list: plan the windows on the data this capture was made from")
+        return {at[r.sample_id]: j for j, r in enumerate(index.refs)}
+
+    def in_capture(self, batch: list[int], local: dict[int, int]) -> list[int]:
+        lacking = [self.ids[i] for i in batch if i not in local]
+        if lacking:
+            raise BadInput(f"window {self.number}: its capture lacks train sample {lacking[0]}, which its steps "
+                           f"{self.first_step + 1}..{self.last_step} read: capture it with {window_ids_file(self.number)}")
+        return [local[i] for i in batch]
+
+    def check(self, total_steps: int) -> None:
+        if total_steps != self.total_steps:
+            raise BadInput(f"windows {self.folder} plan {self.total_steps} steps, this train config {total_steps}: "
+                           "plan the windows with the train options this run trains with")
+
+    def check_start(self, step: int, checkpoints: Path) -> None:
+        if step < self.first_step:
+            raise BadInput(f"window {self.number} starts at step {self.first_step}, but the newest checkpoint in "
+                           f"{checkpoints} is at step {step}: train the windows in order")
+
+
+# ----------------------------------------------------------------------------- the step
+def run(raw: dict) -> dict:
+    cfg, out, done = begin_step(WindowsConfig, raw, STEP)
+    if done is not None:
+        return done
+    capture = load_config(CaptureOptions, cfg.capture, where="windows config: capture")
+    train = load_config(TrainOptions, cfg.train, where="windows config: train")
+    target = TargetConfig.read(cfg.target)
+    layer_ids = check_layer_ids(capture.layer_ids if capture.layer_ids is not None
+                                else default_layer_ids(target.num_layers), target.num_layers)
+    storage = storage_of(resolve_dtype(capture, target), capture.storage_dtype)
+    bpt = bytes_per_token(len(layer_ids), target.hidden_size, storage)
+    samples = read_dataset(cfg.dataset, target.vocab_size)
+    trains = [s for s in samples if s.split == "train"]
+    heldout = [s for s in samples if s.split == "heldout"]
+    if not trains:
+        raise BadInput(f"dataset {cfg.dataset} has no train samples")
+    ids, lengths = [s.sample_id for s in trains], [int(s.input_ids.size) for s in trains]
+    micro = train.nproc_per_node * train.grad_accum
+    plans, total = plan_steps(lengths, train, micro, epochs_for(train, sum(min(n, train.token_budget) for n in lengths)))
+    budget = int(capture.max_disk_gb * 1e9)
+    held = Sizes([s.sample_id for s in heldout], ["heldout"] * len(heldout), [int(s.input_ids.size) for s in heldout],
+                 bpt, capture).of(list(range(len(heldout)))) if heldout else 0
+    sizes = Sizes(ids, ["train"] * len(ids), lengths, bpt, capture)
+    room = budget - held if budget else 2**62
+    figures = f"{bpt} bytes a token ({storage}); budget capture.max_disk_gb {_size(budget)}; the held-out samples' states {_size(held)}"
+    if budget and room <= 0:
+        raise BadInput(f"the held-out samples' states need {_size(held)} ({len(heldout)} samples, {bpt} bytes a token, "
+                       f"{storage}): the budget capture.max_disk_gb {_size(budget)} cannot hold them; raise it, use "
+                       "storage_dtype fp8, or hold out fewer samples (data.heldout_permille)")
+
+    def refuse(step_samples: list[int], size: int) -> None:
+        big = max(step_samples, key=lambda i: sizes.sample[i])
+        if sizes.of([big]) > room:
+            raise BadInput(f"sample {ids[big]} alone needs {_size(sizes.of([big]))} of states ({lengths[big]} tokens x "
+                           f"{figures}, {_size(room)} left for a window): raise capture.max_disk_gb, use "
+                           "storage_dtype fp8, or cut samples shorter (data.max_length)")
+        raise BadInput(f"one optimizer step's {len(step_samples)} samples need {_size(size)} of states ({figures}, "
+                       f"{_size(room)} left for a window): raise capture.max_disk_gb, or take fewer tokens a step "
+                       "(train.token_budget, grad_accum)")
+
+    windows = cut_windows(plans, micro, total, lengths, sizes, room, refuse)
+    needed = any(w.epoch == windows[i - 1].epoch for i, w in enumerate(windows) if i)  # several in one epoch
+    stage = out.open()
+    write_json_atomic(stage / PLAN, {"train_ids": ids, "lengths": lengths, "total_steps": total, "epochs": len(plans),
+                                     "windows": [_summary(w) for w in windows] if needed else []})
+    if needed:
+        heldout_ids = [s.sample_id for s in heldout]
+        write_json_atomic(stage / HELDOUT_IDS, heldout_ids)
+        for n, w in enumerate(windows):
+            write_json_atomic(stage / window_ids_file(n), heldout_ids + [ids[i] for i in w.samples])
+    largest = max(w.bytes for w in windows)
+    log(f"windows: {len(windows) if needed else 'no'} windows over {len(plans)} epoch(s) of {total} steps; the largest "
+        f"needs {_size(largest)}; {figures}")
+    return out.publish(
+        counts={"windows": len(windows) if needed else 0, "epochs": len(plans), "total_steps": total,
+                "train_samples": len(trains), "heldout_samples": len(heldout)},
+        figures={"bytes_per_token": bpt, "budget_bytes": budget, "heldout_bytes": held,
+                 "train_bytes": sizes.of(list(range(len(ids)))), "largest_window_bytes": largest},
+        windows=[_summary(w) for w in windows] if needed else [])
+
+
+def _summary(w: Window) -> dict:
+    return {k: v for k, v in asdict(w).items() if k not in ("samples", "states", "shards")} | {
+        "samples": len(w.samples), "bytes": w.bytes}
+
+
+def main(argv: list[str] | None = None) -> int:
+    return step_main(STEP, run, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
