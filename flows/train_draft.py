@@ -88,7 +88,8 @@ def train_draft(
         dataset = same_data(datasets, hosts)
         patch_worker.map(ctxs, unmapped(p.target), unmapped(p.capture)).result()
         # a disk budget on one host: do the states fit it, or must capture and training alternate in windows?
-        windows = plan_windows(ctx, p.target, dataset, p.capture, p.train) if p.capture.max_disk_gb and not p.extra_hosts else None
+        windowed = p.capture.max_disk_gb and not p.extra_hosts
+        windows = plan_windows(ctx, p.target, dataset, p.capture, p.train) if windowed else None
         if windows is not None and windows.windows:
             vocab = build_vocab(ctx, p.target, dataset, p.train)
             heldout, checkpoint = train_in_windows(ctx, p.target, dataset, p.capture, vocab, p.train, windows)
