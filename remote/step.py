@@ -239,9 +239,10 @@ def begin_step(cls: type[T], raw: dict, step: str, summary: Callable[[dict], str
     config = as_recorded(dataclasses.asdict(cfg))
     out = StepOutput(cfg.out_dir, step, config)
     done = out.done()
-    if done is not None and done.get("config") != config:
+    recorded = _with_defaults(cls, done.get("config")) if done is not None else None
+    if done is not None and recorded != config:
         if on_change != "redo":
-            raise BadInput(f"{step}: {cfg.out_dir} was finished with another config ({config_changes(done.get('config') or {}, config)}): "
+            raise BadInput(f"{step}: {cfg.out_dir} was finished with another config ({config_changes(recorded or {}, config)}): "
                            "give the run another run_name, or delete that folder to make it again")
         done = None
     if done is not None and valid is not None and not valid(done):
@@ -249,11 +250,23 @@ def begin_step(cls: type[T], raw: dict, step: str, summary: Callable[[dict], str
     if done is not None:
         log(f"{step}: {cfg.out_dir} is already done" + (f" ({summary(done)})" if summary else ""))
     elif resumes:
-        _check_staged(out, step)
+        _check_staged(cls, out, step)
     elif out.staging.exists():
         log(f"{step}: removing {out.staging}, left by a run that did not finish")
         _rmtree(out.staging)
     return cfg, out, done
+
+
+def _with_defaults(cls: type, recorded: dict | None) -> dict | None:
+    """A recorded config with the options it predates at their defaults: a folder finished before an
+    option existed was made as that option's default makes it (a new option's default is the old way)."""
+    if recorded is None:
+        return None
+    defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                for f in dataclasses.fields(cls)
+                if f.name not in recorded and (f.default is not dataclasses.MISSING
+                                               or f.default_factory is not dataclasses.MISSING)}
+    return {**as_recorded(defaults), **recorded}
 
 
 def as_recorded(config: dict) -> dict:
@@ -261,8 +274,8 @@ def as_recorded(config: dict) -> dict:
     return json.loads(json.dumps(config, default=str))
 
 
-def _check_staged(out: StepOutput, step: str) -> None:
-    staged = out.staged_config()
+def _check_staged(cls: type, out: StepOutput, step: str) -> None:
+    staged = _with_defaults(cls, out.staged_config())
     if staged is not None and staged != out.config:
         raise BadInput(f"{step}: {out.staging} holds an unfinished run of another config ({config_changes(staged, out.config)}): "
                        "run it again with that config to resume it, or delete that folder to start afresh")

@@ -34,3 +34,20 @@ def test_begin_step_finds_only_a_finished_run(tmp_path, capsys):
 def test_begin_step_names_the_step_in_a_bad_config():
     with pytest.raises(BadInput, match=r"demo config: unknown key\(s\) \['m'\]"):
         begin_step(Cfg, {"out_dir": "x", "m": 1}, "demo")
+
+
+@dataclass(frozen=True)
+class Newer(Cfg):
+    """Cfg with an option added since a folder was finished."""
+
+    mode: str = "old-way"
+
+
+def test_a_folder_finished_before_an_option_existed_is_the_options_default(tmp_path):
+    raw = {"out_dir": str(tmp_path / "out"), "n": 4}
+    _, out, _ = begin_step(Cfg, raw, "demo")
+    out.open()
+    published = out.publish()
+    assert begin_step(Newer, raw, "demo")[2] == published  # the default is what the folder was made as
+    with pytest.raises(BadInput, match=r'finished with another config \(mode "old-way" there, "new-way" now\)'):
+        begin_step(Newer, {**raw, "mode": "new-way"}, "demo")
