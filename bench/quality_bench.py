@@ -31,7 +31,8 @@ impl "eaglet" runs `python -m remote.train.train --config` with its `train` dict
 then remote.train.export (its `export` dict as ExportConfig keys); impl "speculators" runs bench.speculators_arm (speculators' own draft,
 loss and optimiser on the same packed capture, converted to eaglet's export). Both then go through
 the same remote.evaluate step, offline, k = 3: acceptance length, the replayed one and the
-conditional accuracies p1..p3 on the held-out split. Arms share the capture and the vocabulary of
+conditional accuracies p1..p3 on the held-out split. An arm with "storage": "fp8" trains and is
+evaluated on an fp8 copy of its data's capture (the same states, stored as capture.storage_dtype fp8 stores them). Arms share the capture and the vocabulary of
 their data ("subset": the first --subset-rows samples; "all": every one); an arm with own_capture
 captures its data itself into a fresh cache, timed as its own (the 10-minute arm: capture +
 training + offline evaluation within budget_seconds, training sized to what is left: --tokens-per-s
@@ -130,12 +131,31 @@ def capture_and_vocab(data: str, model: str, folder: Path, cache_root: str, a) -
     folder.mkdir(parents=True, exist_ok=True)
     cap_s, cap_m = run_step("capture", {
         "dataset": data, "target": model, "out_dir": str(folder / "capture"), "cache_root": cache_root,
-        "backend": "transformers", "samples_per_shard": 256, "max_num_batched_tokens": a.capture_tokens}, folder)
+        "backend": a.backend, "samples_per_shard": 256, "max_num_batched_tokens": a.capture_tokens,
+        **({"dtype": "float32", "cpu_kvcache_gib": 2} if a.backend == "vllm" else {})}, folder)
     voc_s, voc_m = run_step("vocab", {"data": data, "target": model, "out_dir": str(folder / "vocab"),
                                       "draft_vocab_size": a.draft_vocab_size}, folder)
     return {"data": data, "capture_dir": str(folder / "capture"), "vocab_dir": str(folder / "vocab"),
             "seconds": {"capture": cap_s, "vocab": voc_s}, "capture_figures": cap_m.get("figures"),
             "capture_counts": cap_m.get("counts"), "vocab_coverage": voc_m["figures"]["coverage"]}
+
+
+def fp8_copy(own: dict, work: Path) -> dict:
+    """`own` with its capture's states stored as fp8: the same states quantized as capture.storage_dtype
+    fp8 stores them (remote.capture.store), so an arm on it differs from one on `own` by the storage alone."""
+    from remote.capture.store import read_shard, write_shard
+
+    src = Path(own["capture_dir"])
+    dest = work / f"{src.parent.name}-fp8" / "capture"
+    if not (dest / "manifest.json").is_file():
+        m = json.loads((src / "manifest.json").read_text())
+        c = m["capture"]
+        shards = [str(dest / Path(s).name) for s in c["shards"]]
+        dest.mkdir(parents=True, exist_ok=True)
+        sizes = {d: write_shard(d, list(read_shard(s)), c["layer_ids"], "fp8") for s, d in zip(c["shards"], shards)}
+        m["capture"] = {**c, "shards": shards, "shard_bytes": sizes, "storage_dtype": "fp8"}
+        (dest / "manifest.json").write_text(json.dumps(m))
+    return {**own, "capture_dir": str(dest)}
 
 
 def size_training(arm: dict, spent: float, a) -> dict:
@@ -169,6 +189,8 @@ def run_arm(arm: dict, shared: dict, model: str, a, work: Path, t_start: float, 
             rec["seconds"].update(own["seconds"])
         else:
             own = shared[rec["data"]]
+        if arm.get("storage") == "fp8":
+            own = fp8_copy(own, work)
         train = size_training(arm, time.perf_counter() - t0, a) if "budget_seconds" in arm else dict(arm.get("train", {}))
         rec["train_settings"] = train
         common = {"capture_dir": own["capture_dir"], "vocab_dir": own["vocab_dir"], "target": model}
@@ -341,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parallel", type=int, default=1, help="arms at a time")
     ap.add_argument("--deadline", type=float, default=0, help="seconds from the start; steps still running are killed")
     ap.add_argument("--draft-vocab-size", type=int, default=32000)
+    ap.add_argument("--backend", default="transformers", choices=("transformers", "vllm"),
+                    help="capture backend: transformers on a GPU host without vLLM, vllm (CPU, float32) here")
     ap.add_argument("--capture-tokens", type=int, default=32768, help="tokens of one capture forward")
     ap.add_argument("--tokens-per-s", type=float, default=100000, help="budget arms: the trainer's tokens/s, estimated")
     ap.add_argument("--startup-s", type=float, default=100, help="budget arms: the trainer's start (load, compile)")
