@@ -85,7 +85,7 @@ def _build_world(d: Path) -> SimpleNamespace:
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     with torch.no_grad():
         seqs = torch.cat([model.generate(p, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                                         pad_token_id=0) for p in prompts.split(64)]).tolist()
+                                         pad_token_id=0) for p in prompts.split(264)]).tolist()
     masks = [[0] * PROMPT_LEN + [1] * NEW_TOKENS for _ in seqs]
     splits = ["train"] * N_TRAIN + ["heldout"] * N_HELDOUT
     data = write_data(d / "prepare" / "data.parquet", seqs, masks, splits)

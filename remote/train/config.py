@@ -106,6 +106,9 @@ class TrainOptions(Checked):
     """draft initialisation and the data order"""
     device: Literal["auto", "cuda", "cpu"] = "auto"
     """auto (cuda when there is one), cuda or cpu"""
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """of the draft's forward: bf16 (autocast over float32 weights) or fp32; auto: bf16 on cuda, fp32 on a CPU
+    (bf16 there is for CPUs with bf16 matrix units, AMX: about 4x the float32 matmul rate)"""
     compile: Literal["auto", "yes", "no"] = "auto"
     """torch.compile the dense layer parts and flex attention: auto (on cuda), yes or no"""
     pad_multiple: int = bounded(0, ge=0)

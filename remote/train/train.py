@@ -75,7 +75,8 @@ class Trainer:
         self.cfg, self.dist, self.stage = cfg, dist, stage
         self.cuda = dist.device.type == "cuda"
         self.compiled = cfg.compile == "yes" or (cfg.compile == "auto" and self.cuda)
-        self.dtype = torch.bfloat16 if self.cuda else torch.float32
+        self.amp = cfg.precision == "bf16" or (cfg.precision == "auto" and self.cuda)  # bf16 autocast
+        self.dtype = torch.bfloat16 if self.amp else torch.float32  # of the states fed to the draft
         # Compiled, every new batch length is a new graph (~30 s each on an H200: a real run of
         # ShareGPT spent its first 5 minutes recompiling); one length, the budget, compiles once and
         # costs only the packing's unfilled tail.
@@ -240,7 +241,7 @@ class Trainer:
             if j + 1 < len(mine) and rows + lengths[mine[j + 1]] <= self.cfg.token_budget:
                 continue
             last = torch.cat(index.last_states(group)).to(dev, self.dtype)
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.cuda):
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.amp):
                 f = head.in_draft(last)
             pos = 0
             for g in group:
@@ -263,7 +264,7 @@ class Trainer:
                                                             max(1, cfg.eval_tokens // cfg.nnodes))
         batches = (self.heldout.load(p, cfg.token_budget, self.pad).to(dist.device, self.dtype)
                    for p in plan[dist.local_rank::dist.local_world])
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.cuda):
+        with torch.autocast(dist.device.type, dtype=torch.bfloat16, enabled=self.amp):
             tally = chain_tally(self.draft, self.head, batches, k, k, self._attention, self.compiled)
         tally = tally.all_reduce(dist)
         return tally.summary(k) if tally.tokens else None
@@ -442,14 +443,16 @@ def optimizer_step(model, head: TargetHead, batches, opt, params, dist: Distribu
     the gradient norm. The loss is normalised by the global count of each step's positions, so any
     split of the global batch over ranks and micro-batches gives the same gradient.
     """
-    cuda = batches[0].aux.is_cuda
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+    # bf16 states mean bf16 autocast (the trainer's precision), on whichever device they are
+    amp = dict(device_type=batches[0].aux.device.type, dtype=torch.bfloat16,
+               enabled=batches[0].aux.dtype == torch.bfloat16)
+    with torch.autocast(**amp):
         targets = [head.targets(b, ttt_steps) for b in batches]
     denom = dist.all_reduce(torch.stack([t.counts for t in targets]).sum(0))
     stats = 0
     for i, (b, t) in enumerate(zip(batches, targets)):
         with dist.no_sync(model, last=i == len(batches) - 1):
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+            with torch.autocast(**amp):
                 loss, s = model(b, t, denom)
             (loss * dist.world).backward()  # DDP averages over ranks; denom already is global
         stats = stats + s.detach()
