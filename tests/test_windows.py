@@ -1,6 +1,6 @@
 """Capture in windows (issue 16, item 3) on the CPU with the tiny Llama and the transformers capture backend.
 
-The steps run as the flow's window loop runs them (tasks/windows.py): the windows step plans, the
+The flow itself runs in windows over SSH in tests/test_flow.py. The steps run here as the flow's window loop runs them (tasks/windows.py): the windows step plans, the
 held-out samples are captured once, then for each window: capture its samples, train its steps,
 free its shards. A budget that forces three windows; the bytes in the capture cache, polled while
 the steps run, never pass it; every train sample is read exactly once an epoch, in the same order,
@@ -129,38 +129,3 @@ def test_the_plan_refuses_a_sample_larger_than_the_budget_naming_the_figures(wor
     assert re.search(r"sample \S+ alone needs [\d,]+ bytes of states \(\d+ tokens x 1029 bytes a token \(float32\); "
                      rf"budget capture.max_disk_gb {held + 30_000:,} bytes; the held-out samples' states {held:,} bytes, "
                      r"30,000 bytes left for a window\)", err), err
-
-
-@pytest.mark.slow  # about 90 s on 2 cores: the Prefect harness and a step process a capture, train and free
-def test_the_flow_runs_a_capture_and_a_train_task_a_window_and_a_rerun_skips_them(prefect_harness, tiny_llama, tmp_path):
-    """The training flow on the local host (transformers capture): a budget the states pass makes it alternate;
-    the same run again finds every window trained and captures nothing. (The nightly retrain calls this flow
-    with its own capture group, so its new data is captured within the same budget.)"""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter
-
-    from flows.params import TrainDraftParams
-    from flows.train_draft import train_draft
-    from tests.fixtures.tiny_run import tiny_params, write_chats
-
-    chats = write_chats(tmp_path / "chats.jsonl", n=24)
-    raw = tiny_params(tmp_path / "root", tiny_llama, [chats], run_name="windows",
-                      capture={"max_disk_gb": 0.0007}, train={"epochs": 1.0, "token_budget": 256})
-    params = TrainDraftParams.model_validate(raw)
-    kwargs = {name: getattr(params, name) for name in TrainDraftParams.model_fields}
-    state = train_draft(**kwargs, return_state=True)
-    assert state.is_completed(), state.message
-    run_dir = tmp_path / "root" / "runs" / "windows"
-    n = json.loads((run_dir / "windows" / "manifest.json").read_text())["counts"]["windows"]
-    assert n >= 2 and (run_dir / f"train-w{n - 1:03d}" / "model.safetensors").is_file()
-    with get_client(sync_client=True) as client:
-        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [state.state_details.flow_run_id]}))
-    names = sorted(t.name.rsplit("-", 1)[0] for t in tasks)
-    assert names.count("capture-hidden-states") == n + 1 and names.count("train-draft") == n  # + the held-out one
-    assert names.count("free-capture") == n and 1.0 <= state.result().figures["acceptance_length"]
-
-    again = train_draft(**kwargs, return_state=True)
-    assert again.is_completed(), again.message
-    with get_client(sync_client=True) as client:
-        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [again.state_details.flow_run_id]}))
-    assert [t.name for t in tasks if t.name.startswith(("train-draft", "free-capture"))] == []
