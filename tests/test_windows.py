@@ -1,10 +1,11 @@
 """Capture in windows (issue 16, item 3) on the CPU with the tiny Llama and the transformers capture backend.
 
 The flow itself runs in windows over SSH in tests/test_flow.py. Here the steps run as the flow's
-window loop runs them (tasks/windows.py): the windows step plans, the held-out samples are captured once, then for each window: capture its samples, train its steps,
-free its shards. A budget that forces three windows; the bytes in the capture cache, polled while
-the steps run, never pass it; every train sample is read exactly once an epoch, in the same order,
-with the same losses and weights as one capture of everything and one training; a window's train
+window loop runs them (tasks/windows.py): the windows step plans, the held-out samples are captured
+once, then for each window: capture its samples, train its steps, free its shards. A budget that
+forces three windows; the bytes in the capture cache, polled while the steps run, never pass it;
+every train sample is read exactly once an epoch, in the same order, with the same losses and
+weights as one capture of everything and one training; a window's train
 step SIGKILLed after a checkpoint mid-window resumes on the same steps to the same end; a sample
 larger than the budget is refused with the figures.
 
