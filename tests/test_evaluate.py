@@ -33,7 +33,7 @@ TEST_CACHE = Path(os.environ.get("EAGLET_TEST_CACHE", "/tmp/eaglet-test-cache"))
 K = 3  # speculative tokens
 PROMPT_LEN, NEW_TOKENS = 16, 24
 N_TRAIN, N_HELDOUT = 512, 16
-PROMPTS, BATCH = 20, 4  # prompts asked for (only N_HELDOUT exist), requests decoded together
+PROMPTS, BATCH = 20, N_HELDOUT  # prompts asked for (only N_HELDOUT exist), requests decoded together
 
 
 # ----------------------------------------------------------------------------- inputs

@@ -40,7 +40,7 @@ def _task_names(flow_run_id) -> list[str]:
 
 def test_train_draft_flow_over_ssh_in_windows(prefect_harness, sshd, tiny_llama, tmp_path):
     chats = write_chats(tmp_path / "chats" / "chats.jsonl", n=40)
-    raw = tiny_params(tmp_path / "host root", tiny_llama, [chats], capture={"max_disk_gb": 0.0012})
+    raw = tiny_params(tmp_path / "host root", tiny_llama, [chats], capture={"max_disk_gb": 0.0014})
     raw["host"] = sshd.params(root=str(tmp_path / "host root"), python=str(__import__("sys").executable)).model_dump()
     raw["run_name"] = "e2e"
     params = TrainDraftParams.model_validate(raw)

@@ -59,7 +59,7 @@ def test_the_task_patches_the_tiny_kimi_on_a_local_host(prefect_harness, tiny_ki
     assert Path(m["extension_file"]).resolve() == (Path(code.path) / "remote" / "capture" / "worker.py").resolve()
 
     code_again, log = run_step(tmp_path, "again", m["config"])  # idempotent: the devices again, not the probe
-    assert code_again == 0 and "nothing to do" in log and json.loads((out / "manifest.json").read_text()) == m
+    assert code_again == 0 and "is already done" in log and json.loads((out / "manifest.json").read_text()) == m
 
     failed = patch("r2", [1, 7], return_state=True)
     with pytest.raises(BadInputError, match=r"layer_ids \[1, 7\]: need distinct HF hidden-state indices in 1..3"):
