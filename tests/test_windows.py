@@ -22,6 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from remote.capture.cache import CACHE_FILES_BYTES
 from remote.draft.data import CaptureIndex
 from remote.step import EXIT_BAD_INPUT
 from remote.train.train import main as train_main
@@ -128,5 +129,5 @@ def test_the_plan_refuses_a_sample_larger_than_the_budget_naming_the_figures(wor
     err = capsys.readouterr().err
     assert rc == EXIT_BAD_INPUT and m is None and not (tmp_path / "windows").exists()
     assert re.search(r"sample \S+ alone needs [\d,]+ bytes of states \(\d+ tokens x 1029 bytes a token \(float32\); "
-                     rf"budget capture.max_disk_gb {held + 30_000:,} bytes; the held-out samples' states {held:,} bytes, "
-                     r"30,000 bytes left for a window\)", err), err
+                     rf"budget capture.max_disk_gb {held + 30_000:,} bytes; the held-out samples' states {held:,} bytes; the "
+                     rf"cache's own files {CACHE_FILES_BYTES:,} bytes, {30_000 - CACHE_FILES_BYTES:,} bytes left for a window\)", err), err

@@ -38,6 +38,12 @@ from remote.capture.store import shard_index, shard_storage
 from remote.step import BadInput, log, sha256_file, write_json_atomic
 
 INDEX = "index.json"
+# The cache's own files beside its shards, for disk budgets: key.json, the lock and index.json, whose
+# entries are a sample's id and digest, a shard's name and size; index.json is rewritten whole (a temporary
+# copy beside it while it is replaced), so each entry counts twice.
+CACHE_FILES_BYTES = 8192  # key.json, the lock, index.json's header (with room to spare)
+INDEX_SAMPLE_BYTES = 2 * 56  # + the id's length, twice: quotes, colon, the 32-hex digest, indentation
+INDEX_SHARD_BYTES = 2 * 96  # a shard's entry: name, bytes, the samples' braces
 FORMAT = 1
 SHARD_GLOB = "shard-*.safetensors"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "chat_template.jinja",

@@ -26,6 +26,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from remote.capture.cache import CACHE_FILES_BYTES, INDEX_SAMPLE_BYTES, INDEX_SHARD_BYTES
 from remote.capture.capture import _size, read_dataset, resolve_dtype
 from remote.capture.config import CaptureOptions
 from remote.capture.layers import TargetConfig, check_layer_ids, default_layer_ids
@@ -35,6 +36,7 @@ from remote.step import BadInput, begin_step, load_config, log, step_main, write
 from remote.train.config import TrainOptions, WindowsConfig
 
 STEP = "windows"
+SHARD_BYTES = SHARD_HEADER_BYTES + INDEX_SHARD_BYTES  # a shard's header and its index entry
 PLAN = "windows.json"
 HELDOUT_IDS = "heldout.ids.json"
 
@@ -58,7 +60,7 @@ class Window:
 
     @property
     def bytes(self) -> int:
-        return self.states + SHARD_HEADER_BYTES * self.shards
+        return self.states + SHARD_BYTES * self.shards
 
 
 class Sizes:
@@ -67,14 +69,15 @@ class Sizes:
 
     def __init__(self, ids: list[str], splits: list[str], lengths: list[int], bpt: int, capture: CaptureOptions):
         self.bpt, self.per_shard, self.shard_bytes = bpt, capture.samples_per_shard, int(capture.max_shard_gib * 2**30)
-        self.sample = [n * bpt + sample_overhead(i, s) for i, s, n in zip(ids, splits, lengths)]
+        self.sample = [n * bpt + sample_overhead(i, s) + 2 * len(i) + INDEX_SAMPLE_BYTES
+                       for i, s, n in zip(ids, splits, lengths)]  # its rows, its shard entry, its index entry
 
     def shards(self, samples: int, states: int) -> int:
         return math.ceil(samples / self.per_shard) + states // self.shard_bytes
 
     def of(self, samples: list[int]) -> int:
         states = sum(self.sample[i] for i in samples)
-        return states + SHARD_HEADER_BYTES * self.shards(len(samples), states)
+        return states + SHARD_BYTES * self.shards(len(samples), states)
 
 
 def cut_windows(plans: list[list[list[int]]], micro: int, total_steps: int, lengths: list[int], sizes: Sizes,
@@ -93,7 +96,7 @@ def cut_windows(plans: list[list[list[int]]], micro: int, total_steps: int, leng
                 refuse(samples, alone)
             if current is not None:
                 states = current.states + sum(sizes.sample[i] for i in samples)
-                if states + SHARD_HEADER_BYTES * sizes.shards(len(current.samples) + len(samples), states) > room:
+                if states + SHARD_BYTES * sizes.shards(len(current.samples) + len(samples), states) > room:
                     windows.append(current)
                     current = None
             if current is None:
@@ -185,8 +188,8 @@ def run(raw: dict) -> dict:
     held = Sizes([s.sample_id for s in heldout], ["heldout"] * len(heldout), [int(s.input_ids.size) for s in heldout],
                  bpt, capture).of(list(range(len(heldout)))) if heldout else 0
     sizes = Sizes(ids, ["train"] * len(ids), lengths, bpt, capture)
-    room = budget - held if budget else 2**62
-    figures = f"{bpt} bytes a token ({storage}); budget capture.max_disk_gb {_size(budget)}; the held-out samples' states {_size(held)}"
+    room = budget - held - CACHE_FILES_BYTES if budget else 2**62
+    figures = f"{bpt} bytes a token ({storage}); budget capture.max_disk_gb {_size(budget)}; the held-out samples' states {_size(held)}; the cache's own files {_size(CACHE_FILES_BYTES)}"
     if budget and room <= 0:
         raise BadInput(f"the held-out samples' states need {_size(held)} ({len(heldout)} samples, {bpt} bytes a token, "
                        f"{storage}): the budget capture.max_disk_gb {_size(budget)} cannot hold them; raise it, use "
