@@ -21,6 +21,14 @@ parallel on the one GPU do not pay: processes time-slice it (no MPS), so 8 arms 
 eaglet's top-1 pre-pass 200 s instead of seconds and no arm finished in 9 minutes; run them one
 after another (the default) and order a preset by importance.
 
+On this 2-core CPU, the same comparison at a small scale (bench/results/quality-cpu-20261203.json: the arms
+and the figures; PACK from eval_bench.py --pack with --conversations 1500 --max-length 512 --dtype float32,
+speculators' wheel unpacked on PYTHONPATH):
+
+    .venv/bin/python bench/quality_bench.py --model-dir CACHE/embedded-default/smollm2-135m-instruct-float32 \
+        --prepared PACK/a/data.parquet --subset-rows 400 --arms ARMS.json --backend vllm --dtype float32 \
+        --capture-tokens 4096 --work WORK --out OUT
+
 The CPU dress rehearsal (a tiny random target of SmolLM2's vocabulary, a few rows, a few steps of
 every arm; the same code paths, compiled ones on a GPU):
 
