@@ -108,8 +108,9 @@ def subset(samples: list[SampleRow], ids_file: str) -> list[SampleRow]:
     if not path.is_file():
         raise BadInput(f"sample_ids {ids_file} does not exist (expected a JSON list of sample ids)")
     wanted = json.loads(path.read_text())
-    chosen = [s for s in samples if s.sample_id in set(wanted)]
-    if len(chosen) != len(set(wanted)):
+    named = set(wanted)
+    chosen = [s for s in samples if s.sample_id in named]
+    if len(chosen) != len(named):
         found = {s.sample_id for s in chosen}
         missing = [w for w in wanted if w not in found]
         raise BadInput(f"sample_ids {ids_file}: {len(missing)} id(s) the dataset lacks (this host's part), e.g. {missing[0]}")
