@@ -75,9 +75,12 @@ class Sizes:
     def shards(self, samples: int, states: int) -> int:
         return math.ceil(samples / self.per_shard) + states // self.shard_bytes
 
+    def bytes(self, samples: int, states: int) -> int:
+        """Bytes on disk of `samples` samples whose states and entries take `states` bytes, shards included."""
+        return states + SHARD_BYTES * self.shards(samples, states)
+
     def of(self, samples: list[int]) -> int:
-        states = sum(self.sample[i] for i in samples)
-        return states + SHARD_BYTES * self.shards(len(samples), states)
+        return self.bytes(len(samples), sum(self.sample[i] for i in samples))
 
 
 def cut_windows(plans: list[list[list[int]]], micro: int, total_steps: int, lengths: list[int], sizes: Sizes,
@@ -96,7 +99,7 @@ def cut_windows(plans: list[list[list[int]]], micro: int, total_steps: int, leng
                 refuse(samples, alone)
             if current is not None:
                 states = current.states + sum(sizes.sample[i] for i in samples)
-                if states + SHARD_BYTES * sizes.shards(len(current.samples) + len(samples), states) > room:
+                if sizes.bytes(len(current.samples) + len(samples), states) > room:
                     windows.append(current)
                     current = None
             if current is None:
