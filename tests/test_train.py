@@ -355,3 +355,18 @@ def test_the_budget_comes_from_the_data_unless_it_is_set(inputs, tmp_path):
     tokens = _trainer({**base, "train_tokens": int(2.5 * data)}, tmp_path / "c")
     assert tokens.total_steps == round(sum(per_epoch[:3]) * 2.5 / 3)
     assert _trainer({**base, "epochs": 2.0}, tmp_path / "d").total_steps == sum(per_epoch[:2])
+
+
+def test_each_step_trains_its_own_planned_samples_while_the_next_is_read_ahead(inputs, tmp_path):
+    """The reader thread reads step n+1 while step n trains: every step still gets its own micro-batches
+    (the plan's, in order), and the read for the step after the last is never asked for."""
+    t = _trainer({**inputs, "max_steps": 0, "epochs": 2.0, "eval_tokens": 0, "out_dir": str(tmp_path / "o")},
+                 tmp_path / "s")
+    loaded: list[list[int]] = []
+    load = t.index.load
+    t.index.load = lambda idxs, *a, **k: (loaded.append(list(idxs)), load(idxs, *a, **k))[1]
+    seen = [[b.n_tokens for b in t._host_batches()] for t.step in range(t.total_steps)]
+    planned = [b for step in range(t.total_steps) for b in t._my_batches(step)]
+    assert loaded == planned  # read once each, in plan order, none past the end
+    assert seen == [[sum(t.index.lengths[i] for i in b) for b in t._my_batches(step)] for step in range(t.total_steps)]
+    assert t.total_steps > 2 and t._next is None

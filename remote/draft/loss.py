@@ -54,6 +54,11 @@ class PackedBatch:
             f["aux"], f["last"] = f["aux"].to(dtype), f["last"].to(dtype)
         return PackedBatch(**f, n_tokens=self.n_tokens)
 
+    def pin_memory(self) -> "PackedBatch":
+        """A copy in page-locked memory, so that .to(a GPU) copies without blocking the host."""
+        f = {k: v.pin_memory() for k in self.__dataclass_fields__ if k != "n_tokens" and (v := getattr(self, k)) is not None}
+        return PackedBatch(**f, n_tokens=self.n_tokens)
+
 
 @dataclass
 class StepTargets:

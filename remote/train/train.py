@@ -41,6 +41,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
@@ -104,6 +105,10 @@ class Trainer:
         self.history: list[dict] = []
         self.step = 0
         self.my_tokens = 0  # tokens this rank trained on in this run (a resumed run counts from the resume)
+        # The next step's batches are read (and pinned, on a GPU) in a thread while this step trains:
+        # reading a big target's states (470 MB a step for Kimi-K2.5 at 8,192 tokens) no longer stalls it.
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="eaglet-read")
+        self._next: tuple[int, Future] | None = None
 
     def _heldout_index(self) -> CaptureIndex | None:
         """This host's held-out samples (None: evaluation off, or this host's capture holds none)."""
@@ -278,10 +283,22 @@ class Trainer:
         if self.window:
             self.window.check_start(self.step, self.ckpt.root)
 
+    def _read(self, step: int) -> list:
+        host = [self.index.load(b, self.cfg.token_budget, self.pad) for b in self._my_batches(step)]
+        return [b.pin_memory() for b in host] if self.cuda else host
+
+    def _host_batches(self) -> list:
+        """This step's micro-batches on the host (read ahead by the reader thread), and the next step's asked for."""
+        ahead, self._next = self._next, None
+        host = ahead[1].result() if ahead and ahead[0] == self.step else self._read(self.step)
+        if self.step + 1 < self.end_step:
+            self._next = (self.step + 1, self._reader.submit(self._read, self.step + 1))
+        return host
+
     def train_step(self) -> dict:
         cfg, dev = self.cfg, self.dist.device
         t0 = time.perf_counter()
-        host = [self.index.load(b, cfg.token_budget, self.pad) for b in self._my_batches(self.step)]
+        host = self._host_batches()
         batches = [b.to(dev, self.dtype) for b in host]
         lr = self.opt.set_lr(lr_factor(self.step, self.total_steps, self.warmup_steps, cfg.schedule, cfg.min_lr_ratio))
         stats, gnorm = optimizer_step(self.model, self.head, batches, self.opt, self.params, self.dist,
@@ -332,6 +349,7 @@ class Trainer:
                                       best_step=best["step"] if best else None)
                 if self.dist.local_rank == 0:
                     emit("checkpoint", step=self.step, path=str(path))
+        self._reader.shutdown(cancel_futures=True)
         if self.stopped_early:
             log(f"train: stopped early at step {self.step}: {self.cfg.patience} evaluations without a better "
                 f"held-out acceptance length than step {best_eval(self.history)['step']}'s")

@@ -1,0 +1,131 @@
+"""What reading a training step's states costs, beside the step itself: the trainer's reader thread hides it.
+
+    python bench/read_bench.py --shape smollm2 llama8b kimi25 --dir /dev/shm/read-bench --out r.jsonl
+    .venv/bin/python bench/read_bench.py --shape smollm2 --samples 16 --steps 4        # the CPU smoke
+
+Writes a synthetic capture of each shape (bf16 states, `--samples` samples of `--doc-len` tokens, the
+capture store's own shards) and times what remote.train.train does for a step's data before the draft
+sees it: CaptureIndex.load of the step's packed samples, pinned (on a GPU), copied to the device.
+Two loops over the same steps: read then "train" one after the other, and the trainer's way, the next
+step read in a thread while this one "trains", where training a step is a GPU wait of `--step-s`
+seconds (bench/train_bench.py's measured step time of the shape: pass it), or by default a wait as long
+as the read itself (the case where hiding it pays most). Reports each loop's seconds a step and their
+ratio (how much faster a step gets when its read is hidden).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.train_bench import SHAPES  # noqa: E402
+from remote.capture.store import CaptureSet, Sample, write_shard  # noqa: E402
+from remote.draft.data import CaptureIndex, epoch_order, pack  # noqa: E402
+
+LAYERS = (2, 16, 29)
+
+
+def synthetic_capture(folder: Path, hidden: int, samples: int, doc_len: int) -> CaptureSet:
+    folder.mkdir(parents=True, exist_ok=True)
+    shards = []
+    for s in range(0, samples, 8):
+        p = folder / f"shard-{s // 8:05d}.safetensors"
+        if not p.is_file():
+            g = torch.Generator().manual_seed(s)
+            write_shard(p, [Sample(f"s{i}", "train", torch.randint(0, 1000, (doc_len,), generator=g),
+                                   torch.ones(doc_len, dtype=torch.uint8),
+                                   torch.randn(doc_len, len(LAYERS) * hidden, generator=g).bfloat16(),
+                                   torch.randn(doc_len, hidden, generator=g).bfloat16())
+                            for i in range(s, min(s + 8, samples))], LAYERS)
+        shards.append(str(p))
+    return CaptureSet(tuple(shards), LAYERS, hidden, "bfloat16", "synthetic")
+
+
+def measure(shape: str, args, device) -> dict:
+    hidden = SHAPES[shape]["hidden_size"]
+    index = CaptureIndex.build(synthetic_capture(Path(args.dir) / shape, hidden, args.samples, args.doc_len))
+    plan = pack(index.lengths, args.tokens, epoch_order(len(index.refs), 0, 0))
+    cuda = device.type == "cuda"
+
+    def read(i: int):
+        b = index.load(plan[i % len(plan)], args.tokens, args.tokens)
+        return b.pin_memory() if cuda else b
+
+    def train(b, wait: float):  # the step: the batch on the device, then the device busy for `wait` seconds
+        b = b.to(device, torch.bfloat16)
+        if cuda:
+            torch.cuda._sleep(int(wait * cycles_per_s))
+            torch.cuda.synchronize()
+        else:
+            time.sleep(wait)
+        return b
+
+    cycles_per_s = _cycles_per_s() if cuda else 0
+    for i in range(2):  # warm the page cache and the allocator
+        train(read(i), 0)
+    reads = []
+    for i in range(args.steps):
+        t = time.perf_counter()
+        train(read(i), 0)
+        reads.append(time.perf_counter() - t)
+    read_s = statistics.median(reads)
+    step_s = args.step_s or read_s
+    t = time.perf_counter()
+    for i in range(args.steps):
+        train(read(i), step_s)
+    serial = (time.perf_counter() - t) / args.steps
+    with ThreadPoolExecutor(1) as pool:
+        t = time.perf_counter()
+        ahead = pool.submit(read, 0)
+        for i in range(args.steps):
+            b = ahead.result()
+            ahead = pool.submit(read, i + 1)
+            train(b, step_s)
+        ahead.result()
+        overlapped = (time.perf_counter() - t) / args.steps
+    return {"shape": shape, "tokens": args.tokens, "bytes_per_step": args.tokens * (len(LAYERS) + 1) * hidden * 2,
+            "read_s": round(read_s, 4), "read_gb_per_s": round(args.tokens * (len(LAYERS) + 1) * hidden * 2 / read_s / 1e9, 2),
+            "step_s": round(step_s, 4), "serial_s_per_step": round(serial, 4),
+            "read_ahead_s_per_step": round(overlapped, 4), "speedup": round(serial / overlapped, 3),
+            "device": torch.cuda.get_device_name() if cuda else "cpu"}
+
+
+def _cycles_per_s() -> float:
+    """GPU clock cycles a second, for torch.cuda._sleep (a busy device without a workload's kernels)."""
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    torch.cuda._sleep(100_000_000)
+    torch.cuda.synchronize()
+    return 100_000_000 / (time.perf_counter() - t)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", nargs="+", default=["smollm2"], choices=sorted(SHAPES))
+    ap.add_argument("--tokens", type=int, default=8192, help="packed positions a step")
+    ap.add_argument("--doc-len", type=int, default=1024)
+    ap.add_argument("--samples", type=int, default=64, help="samples of the synthetic capture (steps cycle over it)")
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--step-s", type=float, default=0.0, help="seconds a training step keeps the device busy")
+    ap.add_argument("--dir", default="/tmp/read-bench", help="where the synthetic captures go (/dev/shm on a GPU host)")
+    ap.add_argument("--out", default="", help="append one JSON line a shape here")
+    args = ap.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    for shape in args.shape:
+        rec = measure(shape, args, device)
+        print(json.dumps(rec), flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
