@@ -125,7 +125,7 @@ def test_every_setting_has_one_name_one_default_and_a_description_in_the_form():
                             (TrainOptions, TrainConfig), (EvaluateOptions, EvaluateConfig)):
         assert issubclass(config, options), f"{config.__name__} takes {options.__name__}'s defaults, not its own"
     assert (TrainOptions().lr, TrainOptions().epochs, TrainOptions().checkpoint_every, PrepareOptions().heldout_permille,
-            DataDeltaConfig.heldout_permille) == (1e-3, 0.0, 200, 50, 50)
+            DataDeltaConfig.heldout_permille) == (6e-3, 0.0, 200, 50, 50)
     schema = parameter_schema(nightly_retrain).model_dump()
     groups = schema["definitions"]
     undescribed = [f"{g}.{k}" for g, d in groups.items() for k, f in d.get("properties", {}).items()

@@ -64,9 +64,9 @@ class TrainOptions(Checked):
     auto_train_tokens: int = bounded(25_000_000, ge=1)
     """with epochs 0: train on about this many tokens, at least 1 and at most 10 epochs"""
     # -- the optimiser and its schedule
-    optimizer: Literal["muon", "adamw"] = "adamw"
+    optimizer: Literal["muon", "adamw"] = "muon"
     """muon: Muon for the draft's hidden weight matrices, AdamW for the rest; adamw: AdamW for all"""
-    lr: float = bounded(1e-3, gt=0)
+    lr: float = bounded(6e-3, gt=0)
     """peak learning rate (AdamW; Muon's too unless muon_lr is set)"""
     muon_lr: float = bounded(0.0, ge=0)
     """peak learning rate of Muon (its update scaled to AdamW's RMS); 0: lr"""
