@@ -239,7 +239,7 @@ def begin_step(cls: type[T], raw: dict, step: str, summary: Callable[[dict], str
     config = as_recorded(dataclasses.asdict(cfg))
     out = StepOutput(cfg.out_dir, step, config)
     done = out.done()
-    recorded = _with_defaults(cls, done.get("config")) if done is not None else None
+    recorded = with_defaults(cls, done.get("config")) if done is not None else None
     if done is not None and recorded != config:
         if on_change != "redo":
             raise BadInput(f"{step}: {cfg.out_dir} was finished with another config ({config_changes(recorded or {}, config)}): "
@@ -257,7 +257,7 @@ def begin_step(cls: type[T], raw: dict, step: str, summary: Callable[[dict], str
     return cfg, out, done
 
 
-def _with_defaults(cls: type, recorded: dict | None) -> dict | None:
+def with_defaults(cls: type, recorded: dict | None) -> dict | None:
     """A recorded config with the options it predates at their defaults: a folder finished before an
     option existed was made as that option's default makes it (a new option's default is the old way)."""
     if recorded is None:
@@ -275,7 +275,7 @@ def as_recorded(config: dict) -> dict:
 
 
 def _check_staged(cls: type, out: StepOutput, step: str) -> None:
-    staged = _with_defaults(cls, out.staged_config())
+    staged = with_defaults(cls, out.staged_config())
     if staged is not None and staged != out.config:
         raise BadInput(f"{step}: {out.staging} holds an unfinished run of another config ({config_changes(staged, out.config)}): "
                        "run it again with that config to resume it, or delete that folder to start afresh")

@@ -23,8 +23,8 @@ from pydantic import BaseModel
 
 from remote.capture.config import CaptureOptions
 from remote.config import TargetOptions, pick
-from remote.step import MANIFEST, as_recorded
-from remote.train.config import TrainOptions, WindowsConfig
+from remote.step import MANIFEST, as_recorded, with_defaults
+from remote.train.config import TrainConfig, TrainOptions, WindowsConfig
 from remote.train.windows import HELDOUT_IDS, window_ids_file
 from tasks.capture import CapturedStates, capture_hidden_states, free_capture
 from tasks.context import RunContext, step_task
@@ -97,7 +97,7 @@ def _finished(ctx: RunContext, folder: str, config: dict) -> TrainedDraft | None
         if not host.exists(path):
             return None
         m = json.loads(host.read_text(path))
-    if m.get("config") != as_recorded(config):
+    if with_defaults(TrainConfig, m.get("config")) != as_recorded(config):
         return None  # the step itself refuses another config, by name
     get_run_logger().info("%s: already trained in an earlier run (its capture is skipped)", ctx.step_dir(folder))
     return TrainedDraft.from_manifest(ctx.step_dir(folder), m)

@@ -2,6 +2,7 @@
 folder, an earlier finished run found (and said in the log). tests/test_finished_step.py runs each
 step against a finished folder of another config."""
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -51,3 +52,31 @@ def test_a_folder_finished_before_an_option_existed_is_the_options_default(tmp_p
     assert begin_step(Newer, raw, "demo")[2] == published  # the default is what the folder was made as
     with pytest.raises(BadInput, match=r'finished with another config \(mode "old-way" there, "new-way" now\)'):
         begin_step(Newer, {**raw, "mode": "new-way"}, "demo")
+
+
+def test_a_window_trained_before_an_option_existed_counts_as_trained(tmp_path, monkeypatch):
+    """tasks.windows skips a window an earlier run trained by remote.step's own rule: an option the recorded
+    config predates counts as its default, another value of it does not. (get_run_logger is Prefect's; this runs
+    outside a flow, so the log line goes to a plain logger.)"""
+    import dataclasses
+    import json
+    import logging
+
+    import tasks.windows as windows
+    from remote.train.config import TrainConfig
+    from tasks.context import RunContext
+    from tasks.host.params import HostParams
+    from tasks.ship import ShippedCode
+
+    monkeypatch.setattr(windows, "get_run_logger", lambda: logging.getLogger("test"))
+    ctx = RunContext(host=HostParams(kind="local"), code=ShippedCode(str(tmp_path / "code" / "x"), "x", 0, 0, 0.0),
+                     run_name="r")
+    config = dataclasses.asdict(TrainConfig(capture_dir="/c", vocab_dir="/v", out_dir=ctx.step_dir("train-w000")))
+    recorded = {k: v for k, v in json.loads(json.dumps(config)).items() if k != "checkpoint_dir"}  # before it existed
+    folder = Path(ctx.step_dir("train-w000"))
+    folder.mkdir(parents=True)
+    (folder / "manifest.json").write_text(json.dumps({"config": recorded, "counts": {"steps": 3}, "figures": {},
+                                                      "train": {"final": False}}))
+    trained = windows._finished(ctx, "train-w000", config)
+    assert trained is not None and trained.steps == 3 and not trained.final
+    assert windows._finished(ctx, "train-w000", {**config, "checkpoint_dir": "/elsewhere"}) is None
