@@ -121,9 +121,9 @@ def test_train_resumes_only_a_staging_folder_of_its_own_config(tmp_path):
     raw = _raw("train", tmp_path)
     out = StepOutput(raw["out_dir"], "train", begin_step(cls, raw, "train")[1].config)
     (out.open() / "checkpoints").mkdir()
-    with pytest.raises(BadInput, match=r"train\.partial holds an unfinished run of another config \(lr 0\.001 there, "
+    with pytest.raises(BadInput, match=r"train\.partial holds an unfinished run of another config \(lr 0\.006 there, "
                                        r"0\.0005 now\): run it again with that config to resume it, or delete"):
         module.run(_raw("train", tmp_path, lr=5e-4))
     _, same, done = begin_step(cls, raw, "train", resumes=True)
     assert done is None and (same.staging / "checkpoints").is_dir(), "the same config resumes: nothing removed"
-    assert load_config(cls, raw).lr == 1e-3
+    assert load_config(cls, raw).lr == 6e-3
