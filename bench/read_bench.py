@@ -90,8 +90,9 @@ def measure(shape: str, args, device) -> dict:
             train(b, step_s)
         ahead.result()
         overlapped = (time.perf_counter() - t) / args.steps
-    return {"shape": shape, "tokens": args.tokens, "bytes_per_step": args.tokens * (len(LAYERS) + 1) * hidden * 2,
-            "read_s": round(read_s, 4), "read_gb_per_s": round(args.tokens * (len(LAYERS) + 1) * hidden * 2 / read_s / 1e9, 2),
+    states = args.tokens * (len(LAYERS) + 1) * hidden * 2  # bytes of a step's bf16 states
+    return {"shape": shape, "tokens": args.tokens, "bytes_per_step": states,
+            "read_s": round(read_s, 4), "read_gb_per_s": round(states / read_s / 1e9, 2),
             "step_s": round(step_s, 4), "serial_s_per_step": round(serial, 4),
             "read_ahead_s_per_step": round(overlapped, 4), "speedup": round(serial / overlapped, 3),
             "device": torch.cuda.get_device_name() if cuda else "cpu"}

@@ -48,16 +48,18 @@ class PackedBatch:
     in_draft: torch.Tensor | None = None  # [T] bool, precomputed TargetHead.in_draft (None: computed per step)
 
     def to(self, device, dtype=None) -> "PackedBatch":
-        f = {k: v.to(device, non_blocking=True) for k in self.__dataclass_fields__
-             if k != "n_tokens" and (v := getattr(self, k)) is not None}
+        f = self._map(lambda v: v.to(device, non_blocking=True))
         if dtype is not None:
             f["aux"], f["last"] = f["aux"].to(dtype), f["last"].to(dtype)
         return PackedBatch(**f, n_tokens=self.n_tokens)
 
     def pin_memory(self) -> "PackedBatch":
         """A copy in page-locked memory, so that .to(a GPU) copies without blocking the host."""
-        f = {k: v.pin_memory() for k in self.__dataclass_fields__ if k != "n_tokens" and (v := getattr(self, k)) is not None}
-        return PackedBatch(**f, n_tokens=self.n_tokens)
+        return PackedBatch(**self._map(torch.Tensor.pin_memory), n_tokens=self.n_tokens)
+
+    def _map(self, fn) -> dict:
+        """fn of each tensor field that is set (n_tokens and unset ones left out)."""
+        return {k: fn(v) for k in self.__dataclass_fields__ if k != "n_tokens" and (v := getattr(self, k)) is not None}
 
 
 @dataclass
