@@ -3,11 +3,14 @@
     python -m remote.capture.capture --config c.json     # with "backend": "transformers"
 
 For hosts without vLLM (the lent GPU machine), targets vLLM cannot load, and as the numerical
-reference. Samples are packed back to back into one row of up to max_num_batched_tokens tokens,
-positions restarting at 0 for each: with no attention mask and no cache, transformers reads the
-position ids as packed sequences and keeps attention inside each sample, so no compute goes to
-padding. Aux states come from `output_hidden_states` (index i is layer i-1's output); the final
-pre-norm state from a hook on the last decoder layer (HF's last hidden state has the norm applied).
+reference. A shard's samples go through the target longest first, as the rows of one batch of at
+most max_num_batched_tokens tokens (rows x the longest row), each row padded on the right and no
+attention mask: causal attention never lets a sample's tokens see the padding after them, and
+attention costs each row its own length squared. (Packing samples back to back into one row, which
+transformers reads as packed sequences, costs the whole row's length squared: its block-diagonal mask
+is materialised, 2.5x slower a token at 8,192 tokens than at 2,048 on this CPU.) The shard is written
+in its planned order. Aux states come from `output_hidden_states` (index i is layer i-1's output);
+the final pre-norm state from a hook on the last decoder layer (HF's last hidden state has the norm applied).
 
 The capture is causal for every target, as vLLM serves it: a config that asks for bidirectional
 attention (PaliGemma's text model does by default) is loaded with it off, since a sample alone in its
@@ -85,47 +88,53 @@ class HfCapture:
                            "eaglet captures what a causal decoder computes")
 
     def forward_pack(self, samples: Sequence) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(aux [T, n_aux * H], final [T, H]) per sample of one pack, on the CPU in the target dtype."""
+        """(aux [T, n_aux * H], final [T, H]) per sample of one pack (one row each, padded on the right
+        to the longest), on the CPU in the target dtype."""
         lengths = [int(s.input_ids.size) for s in samples]
-        ids = torch.cat([torch.from_numpy(s.input_ids).long() for s in samples])[None].to(self.device)
-        pos = torch.cat([torch.arange(n) for n in lengths])[None].to(self.device)
+        width = max(lengths)
+        ids = torch.zeros(len(samples), width, dtype=torch.long)
+        for row, s in enumerate(samples):
+            ids[row, :lengths[row]] = torch.from_numpy(s.input_ids)
+        pos = torch.arange(width).expand(len(samples), width)
         final = {}
         hook = self.layers[-1].register_forward_hook(
             lambda m, a, out: final.__setitem__("h", out[0] if isinstance(out, tuple) else out))
         try:
             with torch.inference_mode():
-                out = self.model(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False,
-                                 output_hidden_states=True, logits_to_keep=1)
+                out = self.model(input_ids=ids.to(self.device), position_ids=pos.to(self.device), attention_mask=None,
+                                 use_cache=False, output_hidden_states=True, logits_to_keep=1)
         finally:
             hook.remove()
         # no aux layers: a subclass that only generates (remote.data.regenerate_engines) probes causality on the last
-        aux = torch.cat([out.hidden_states[i][0] for i in self.layer_ids] or [out.hidden_states[-1][0][:, :0]],
-                        dim=-1).to("cpu")
-        last = final["h"][0].to("cpu")
+        aux = torch.cat([out.hidden_states[i] for i in self.layer_ids] or [out.hidden_states[-1][..., :0]], dim=-1)
+        real = torch.arange(width)[None] < torch.tensor(lengths)[:, None]  # [B, width]: not padding
+        aux, last = aux[real.to(aux.device)].to("cpu"), final["h"][real.to(aux.device)].to("cpu")
         return list(zip(aux.split(lengths), last.split(lengths)))
 
-    def packs(self, plan: ShardPlan) -> list[list]:
-        """The shard's samples, in order, grouped into packs of at most max_num_batched_tokens tokens."""
-        packs, current, size = [], [], 0
-        for s in plan.samples:
-            n = int(s.input_ids.size)
-            if current and size + n > self.cfg.max_num_batched_tokens:
-                packs.append(current)
-                current, size = [], 0
-            current.append(s)
-            size += n
-        return packs + [current] if current else packs
+    def packs(self, plan: ShardPlan) -> list[list[int]]:
+        """The shard's samples (their indices) in batches of at most max_num_batched_tokens tokens, padding
+        counted: longest first, so a batch's rows are of similar length. A longer sample is a batch alone."""
+        order = sorted(range(len(plan.samples)), key=lambda i: -int(plan.samples[i].input_ids.size))
+        packs: list[list[int]] = []
+        for i in order:
+            if packs and (len(packs[-1]) + 1) * int(plan.samples[packs[-1][0]].input_ids.size) \
+                    <= self.cfg.max_num_batched_tokens:
+                packs[-1].append(i)
+            else:
+                packs.append([i])
+        return packs
 
     def capture(self, plans: Sequence[ShardPlan], on_written, prog) -> dict:
         passes = 0
         for plan in plans:
-            samples = []
+            samples: list[Sample | None] = [None] * len(plan.samples)
             for pack in self.packs(plan):
-                for s, (aux, last) in zip(pack, self.forward_pack(pack)):
-                    samples.append(Sample(s.sample_id, s.split, torch.from_numpy(s.input_ids),
-                                          torch.from_numpy(s.loss_mask), aux, last))
+                rows = [plan.samples[i] for i in pack]
+                for i, s, (aux, last) in zip(pack, rows, self.forward_pack(rows)):
+                    samples[i] = Sample(s.sample_id, s.split, torch.from_numpy(s.input_ids),
+                                        torch.from_numpy(s.loss_mask), aux, last)
                 passes += 1
-                prog.add(len(pack), sum(int(s.input_ids.size) for s in pack))
+                prog.add(len(rows), sum(int(s.input_ids.size) for s in rows))
             try:
                 write_shard(plan.path, samples, self.layer_ids, self.cfg.storage_dtype)
             except OSError as e:
