@@ -370,3 +370,20 @@ def test_each_step_trains_its_own_planned_samples_while_the_next_is_read_ahead(i
     assert loaded == planned  # read once each, in plan order, none past the end
     assert seen == [[sum(t.index.lengths[i] for i in b) for b in t._my_batches(step)] for step in range(t.total_steps)]
     assert t.total_steps > 2 and t._next is None
+
+
+def test_a_step_that_raises_shuts_the_read_ahead_thread_down(inputs, tmp_path):
+    """The reader thread has the next step's read in hand when a step fails: run() still shuts it down."""
+    import threading
+
+    t = _trainer({**inputs, "eval_tokens": 0, "out_dir": str(tmp_path / "o")}, tmp_path / "s")
+    reader = t._reader.submit(threading.current_thread).result()
+
+    def failing_step():
+        t._host_batches()  # asks for the next step's batches
+        raise RuntimeError("the step failed")
+
+    t.train_step = failing_step
+    with pytest.raises(RuntimeError, match="the step failed"):
+        t.run()
+    assert t._next is not None and not reader.is_alive()

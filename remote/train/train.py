@@ -331,9 +331,27 @@ class Trainer:
                  replayed_acceptance_length=heldout["replayed_acceptance_length"], best_step=best["step"])
 
     def run(self) -> dict:
-        self.resume()
-        self.ckpt.drop_bests_after(self.step, self.dist)  # kept aside after the checkpoint resumed from
-        t_start, tokens = time.perf_counter(), 0
+        try:
+            self.resume()
+            self.ckpt.drop_bests_after(self.step, self.dist)  # kept aside after the checkpoint resumed from
+            t_start = time.perf_counter()
+            tokens = self._steps()
+        finally:  # a step (or the resume) that raises must not leave the read-ahead thread running
+            self._reader.shutdown(cancel_futures=True)
+        if self.stopped_early:
+            log(f"train: stopped early at step {self.step}: {self.cfg.patience} evaluations without a better "
+                f"held-out acceptance length than step {best_eval(self.history)['step']}'s")
+        elapsed = time.perf_counter() - t_start
+        by_node: dict[str, int] = {}
+        for node, n in self.dist.gather_objects((self.cfg.node_rank, self.my_tokens)):
+            by_node[str(node)] = by_node.get(str(node), 0) + n
+        return {"tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0, "train_seconds": elapsed,
+                "tokens_by_node": by_node}
+
+    def _steps(self) -> int:
+        """Train to end_step (or an early stop), evaluating, logging and checkpointing as the config asks; the
+        tokens trained."""
+        tokens = 0
         while self.step < self.end_step and not self.stopped_early:
             rec = self.train_step()
             self._evaluate_now(rec)
@@ -349,16 +367,7 @@ class Trainer:
                                       best_step=best["step"] if best else None)
                 if self.dist.local_rank == 0:
                     emit("checkpoint", step=self.step, path=str(path))
-        self._reader.shutdown(cancel_futures=True)
-        if self.stopped_early:
-            log(f"train: stopped early at step {self.step}: {self.cfg.patience} evaluations without a better "
-                f"held-out acceptance length than step {best_eval(self.history)['step']}'s")
-        elapsed = time.perf_counter() - t_start
-        by_node: dict[str, int] = {}
-        for node, n in self.dist.gather_objects((self.cfg.node_rank, self.my_tokens)):
-            by_node[str(node)] = by_node.get(str(node), 0) + n
-        return {"tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0, "train_seconds": elapsed,
-                "tokens_by_node": by_node}
+        return tokens
 
     @property
     def finished(self) -> bool:
