@@ -37,7 +37,7 @@ WINDOWS_TIMEOUT_S = 3600  # a pass over data.parquet
 
 class WindowPlan(BaseModel):
     path: str  # the windows step folder on the host
-    windows: list[dict]  # epoch, first_step, last_step, samples, tokens, bytes; empty: no windows needed
+    windows: list[dict]  # epoch, last_epoch, first_step, last_step, samples, tokens, bytes; empty: no windows needed
     total_steps: int
     figures: dict  # bytes_per_token, budget_bytes, heldout_bytes, train_bytes, largest_window_bytes
 
@@ -82,8 +82,9 @@ def train_in_windows(ctx: RunContext, target: TargetOptions, dataset: PreparedDa
             free_capture(ctx, captured)
         done = 100 * window["last_step"] / plan.total_steps
         update_progress_artifact(progress, done, description=f"window {w + 1} of {len(plan.windows)} trained")
-        log.info("window %d of %d trained (epoch %d, steps %d..%d, %d samples): %.0f%% of the run's steps",
-                 w + 1, len(plan.windows), window["epoch"], window["first_step"] + 1, window["last_step"],
+        epochs = sorted({window["epoch"], window.get("last_epoch", window["epoch"])})  # it may run across an epoch's end
+        log.info("window %d of %d trained (epoch %s, steps %d..%d, %d samples): %.0f%% of the run's steps",
+                 w + 1, len(plan.windows), "-".join(map(str, epochs)), window["first_step"] + 1, window["last_step"],
                  window["samples"], done)
         if trained.final:  # the run's last step, or stopped early: the draft is published
             break

@@ -3,11 +3,11 @@
 The flow itself runs in windows over SSH in tests/test_flow.py. Here the steps run as the flow's
 window loop runs them (tasks/windows.py): the windows step plans, the held-out samples are captured
 once, then for each window: capture its samples, train its steps, free its shards. A budget that
-forces three windows; the bytes in the capture cache, polled while the steps run, never pass it;
-every train sample is read exactly once an epoch, in the same order, with the same losses and
-weights as one capture of everything and one training; a window's train
-step SIGKILLed after a checkpoint mid-window resumes on the same steps to the same end; a sample
-larger than the budget is refused with the figures.
+forces three windows, the second across the epoch's end; the bytes in the capture cache, polled while
+the steps run, never pass it; every train sample is read exactly once an epoch, in the same order,
+with the same losses and weights as one capture of everything and one training; a window's train step
+SIGKILLed after a checkpoint mid-window resumes on the same steps to the same end; a sample larger than
+the budget is refused with the figures.
 
     .venv/bin/python -m pytest tests/test_windows.py -x -q
 """
@@ -23,8 +23,9 @@ import torch
 from safetensors.torch import load_file
 
 from remote.capture.cache import CACHE_FILES_BYTES
-from remote.draft.data import CaptureIndex
-from remote.step import EXIT_BAD_INPUT
+from remote.draft.data import CaptureIndex, plan_steps
+from remote.step import EXIT_BAD_INPUT, load_config
+from remote.train.config import TrainOptions
 from remote.train.train import main as train_main
 from tests.fixtures.capture import random_samples, write_dataset
 from tests.fixtures.polling import DiskWatch
@@ -70,10 +71,17 @@ def losses(out: Path) -> list[float]:
 
 
 def three_windows_budget(world, tmp: Path) -> float:
-    """The held-out states and 70% of the train ones, in GB: an epoch in two windows, the half epoch in one."""
+    """The held-out states and 65% of the train ones, in GB: the 1.5 epochs in three windows, the second holding
+    the first epoch's end and the next one's start."""
     rc, sizes = plan(world, tmp, 0.0)  # no budget: the plan's figures, no windows
     assert rc == 0 and sizes["counts"]["windows"] == 0
-    return (sizes["figures"]["heldout_bytes"] + 0.7 * sizes["figures"]["train_bytes"]) / 1e9
+    return (sizes["figures"]["heldout_bytes"] + 0.65 * sizes["figures"]["train_bytes"]) / 1e9
+
+
+def first_epoch_steps(run: Path) -> int:
+    lengths = json.loads((run / "windows" / "windows.json").read_text())["lengths"]
+    plans, _ = plan_steps(lengths, load_config(TrainOptions, TRAIN), 1, TRAIN["epochs"])
+    return len(plans[0])
 
 
 # ----------------------------------------------------------------------------- tests
@@ -97,13 +105,16 @@ def test_a_budget_forcing_three_windows_keeps_the_disk_under_it_and_trains_as_ca
     reads = recorder(monkeypatch, world["train_ids"])
     with DiskWatch(tmp_path / "cache") as disk:
         planned, trained = in_windows(world, tmp_path, budget)
-    windows = planned["windows"]
-    assert [w["epoch"] for w in windows] == [0, 0, 1]  # the second epoch captures again
+    windows, epoch_end = planned["windows"], first_epoch_steps(tmp_path)
+    assert [(w["epoch"], w["last_epoch"]) for w in windows] == [(0, 0), (0, 1), (1, 1)]  # the second epoch captures again
+    assert windows[1]["first_step"] < epoch_end < windows[1]["last_step"]
+    ids = json.loads((tmp_path / "windows" / "window-001.ids.json").read_text())
+    assert len(ids) == len(set(ids))  # a sample both epochs read in the window is captured once
     assert disk.peak <= budget * 1e9 < all_at_once["bytes"], (disk.peak, budget * 1e9, all_at_once["bytes"])
     assert [m["train"]["final"] for m in trained] == [False, False, True]
     # the batches, in order, of the run that captured everything: each train sample once in the epoch
     assert reads == all_at_once["reads"]
-    epoch0 = [sid for batch in reads[:windows[1]["last_step"]] for sid in batch]
+    epoch0 = [sid for batch in reads[:epoch_end] for sid in batch]
     assert sorted(epoch0) == sorted(world["train_ids"])
     out, ref = tmp_path / "train-w002", all_at_once["out"]
     assert losses(out) == pytest.approx(losses(ref), rel=1e-6, abs=1e-7)

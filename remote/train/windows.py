@@ -6,16 +6,18 @@
 
 The training's one plan (remote.draft.data.plan_steps: every epoch's sample order and packing into
 optimizer steps) is a function of the samples' lengths and the train options, so it is made here from
-the prepared data before anything is captured. A window is a run of consecutive optimizer steps of one
-epoch; its samples are those its steps read. Windows are cut greedily so that a window's states
-(store.bytes_per_token a token, fp8 aware, plus the shards' overhead: the capture's DiskPlan formula)
-and the held-out split's (captured once, kept for the whole run: the trainer's evaluations and the
-evaluate step read them) fit `capture.max_disk_gb`. One sample, or one step, whose states pass that is
-refused, naming the figures.
+the prepared data before anything is captured. A window is a run of consecutive optimizer steps; its
+samples are those its steps read. Windows are cut greedily so that a window's states (store.bytes_per_token
+a token, fp8 aware, plus the shards' overhead: the capture's DiskPlan formula) and the held-out split's
+(captured once, kept for the whole run: the trainer's evaluations and the evaluate step read them) fit
+`capture.max_disk_gb`. One sample, or one step, whose states pass that is refused, naming the figures.
+A window may run across an epoch's end (a sample both epochs read there is captured once): E epochs take
+as many windows as their states need, not E times an epoch's, and each window saved is a capture start
+(vLLM's engine) and a train start saved.
 
 Writes windows.json (the train sample ids and lengths in the order the plan numbers them, the total
-steps, each window's epoch, steps first_step..last_step, samples, tokens and bytes) and, when more than
-one window an epoch is needed, the sample ids each capture takes: heldout.ids.json and
+steps, each window's epochs epoch..last_epoch, steps first_step..last_step, samples, tokens and bytes) and,
+when more than one window is needed, the sample ids each capture takes: heldout.ids.json and
 window-NNN.ids.json (window NNN's train samples and the held-out ones, which the cache then holds).
 The train step of window NNN (TrainConfig.windows, .window) trains exactly that window's steps.
 """
@@ -48,19 +50,40 @@ def window_ids_file(window: int) -> str:
 # ----------------------------------------------------------------------------- the plan
 @dataclass
 class Window:
-    """Steps first_step..last_step (optimizer steps counted from 0, last exclusive) of one epoch."""
+    """Steps first_step..last_step (optimizer steps counted from 0, last exclusive), of epochs epoch..last_epoch."""
 
     epoch: int
     first_step: int
     last_step: int
-    samples: list[int] = field(default_factory=list)  # positions in the plan's train samples
-    tokens: int = 0
+    last_epoch: int = 0
+    samples: list[int] = field(default_factory=list)  # positions in the plan's train samples, each once
+    tokens: int = 0  # of those samples: what the capture takes
     states: int = 0  # bytes of the samples' states and entries
     shards: int = 0
+    held: set[int] = field(default_factory=set)  # = samples, for lookups
 
     @property
     def bytes(self) -> int:
         return self.states + SHARD_BYTES * self.shards
+
+    def new(self, samples: list[int]) -> list[int]:
+        """Those of `samples` this window does not hold yet (a step's samples are distinct)."""
+        return [i for i in samples if i not in self.held]
+
+    def bytes_with(self, samples: list[int], sizes: "Sizes") -> int:
+        """The window's bytes once it takes one more step, of these samples."""
+        new = self.new(samples)
+        return sizes.bytes(len(self.samples) + len(new), self.states + sum(sizes.sample[i] for i in new))
+
+    def add(self, epoch: int, samples: list[int], lengths: list[int], sizes: "Sizes") -> None:
+        """One more optimizer step: its samples not held yet join the window's."""
+        new = self.new(samples)
+        self.samples += new
+        self.held.update(new)
+        self.tokens += sum(lengths[i] for i in new)
+        self.states += sum(sizes.sample[i] for i in new)
+        self.shards = sizes.shards(len(self.samples), self.states)
+        self.last_step, self.last_epoch = self.last_step + 1, epoch
 
 
 class Sizes:
@@ -83,34 +106,29 @@ class Sizes:
         return self.bytes(len(samples), sum(self.sample[i] for i in samples))
 
 
-def cut_windows(plans: list[list[list[int]]], micro: int, total_steps: int, lengths: list[int], sizes: Sizes,
-                room: int, refuse) -> list[Window]:
-    """Each epoch's optimizer steps, in order, cut greedily into windows whose states fit `room` bytes.
-    `refuse(samples, size)` names what cannot fit alone (one step's samples)."""
-    windows, step = [], 0
+def run_steps(plans: list[list[list[int]]], micro: int, total_steps: int):
+    """(epoch, the samples its micro-batches read) of each optimizer step the run trains, in order."""
+    step = 0
     for epoch, plan in enumerate(plans):
-        current = None
         for s in range(len(plan) // micro):
             if step >= total_steps:
-                break
-            samples = [i for batch in plan[s * micro:(s + 1) * micro] for i in batch]
-            alone = sizes.of(samples)
-            if alone > room:
-                refuse(samples, alone)
-            if current is not None:
-                states = current.states + sum(sizes.sample[i] for i in samples)
-                if sizes.bytes(len(current.samples) + len(samples), states) > room:
-                    windows.append(current)
-                    current = None
-            if current is None:
-                current = Window(epoch, step, step)
-            current.samples += samples
-            current.tokens += sum(lengths[i] for i in samples)
-            current.states += sum(sizes.sample[i] for i in samples)
-            current.shards = sizes.shards(len(current.samples), current.states)
-            current.last_step = step = step + 1
-        if current is not None:
-            windows.append(current)
+                return
+            yield epoch, [i for batch in plan[s * micro:(s + 1) * micro] for i in batch]
+            step += 1
+
+
+def cut_windows(plans: list[list[list[int]]], micro: int, total_steps: int, lengths: list[int], sizes: Sizes,
+                room: int, refuse) -> list[Window]:
+    """The run's optimizer steps, in order, cut greedily into windows whose states fit `room` bytes (across
+    epochs' ends). `refuse(samples, size)` names what cannot fit alone (one step's samples)."""
+    windows: list[Window] = []
+    for step, (epoch, samples) in enumerate(run_steps(plans, micro, total_steps)):
+        alone = sizes.of(samples)
+        if alone > room:
+            refuse(samples, alone)
+        if not windows or windows[-1].bytes_with(samples, sizes) > room:
+            windows.append(Window(epoch, step, step))
+        windows[-1].add(epoch, samples, lengths, sizes)
     return windows
 
 
@@ -209,7 +227,7 @@ def run(raw: dict) -> dict:
                        "(train.token_budget, grad_accum)")
 
     windows = cut_windows(plans, micro, total, lengths, sizes, room, refuse)
-    needed = any(w.epoch == windows[i - 1].epoch for i, w in enumerate(windows) if i)  # several in one epoch
+    needed = len(windows) > 1  # one window: the states of every epoch fit at once, captured once
     stage = out.open()
     write_json_atomic(stage / PLAN, {"train_ids": ids, "lengths": lengths, "total_steps": total, "epochs": len(plans),
                                      "windows": [_summary(w) for w in windows] if needed else []})
@@ -230,7 +248,7 @@ def run(raw: dict) -> dict:
 
 
 def _summary(w: Window) -> dict:
-    return {k: v for k, v in asdict(w).items() if k not in ("samples", "states", "shards")} | {
+    return {k: v for k, v in asdict(w).items() if k not in ("samples", "states", "shards", "held")} | {
         "samples": len(w.samples), "bytes": w.bytes}
 
 
