@@ -5,9 +5,9 @@ window loop runs them (tasks/windows.py): the windows step plans, the held-out s
 once, then for each window: capture its samples, train its steps, free its shards. A budget that
 forces three windows, the second across the epoch's end; the bytes in the capture cache, polled while
 the steps run, never pass it; every train sample is read exactly once an epoch, in the same order,
-with the same losses and weights as one capture of everything and one training; a window's train step
-SIGKILLed after a checkpoint mid-window resumes on the same steps to the same end; a sample larger than
-the budget is refused with the figures.
+with the same losses and weights as one capture of everything and one training, and its target top-1
+checked once in the run; a window's train step SIGKILLed after a checkpoint mid-window resumes on the
+same steps to the same end; a sample larger than the budget is refused with the figures.
 
     .venv/bin/python -m pytest tests/test_windows.py -x -q
 """
@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from remote.capture.cache import CACHE_FILES_BYTES
@@ -48,6 +49,7 @@ def world(tiny_llama, tmp_path_factory):
                        d / "vocab")
     return {"dir": d, "target": str(tiny_llama), "dataset": str(write_dataset(d / "data.parquet", samples)),
             "vocab": str(vocab), "train_ids": {s.sample_id for s in samples if s.split == "train"},
+            "heldout_ids": {s.sample_id for s in samples if s.split == "heldout"},
             "capture": CAPTURE, "train": TRAIN}
 
 
@@ -84,6 +86,15 @@ def first_epoch_steps(run: Path) -> int:
     return len(plans[0])
 
 
+def top1_checked(checkpoints: Path) -> list[str]:
+    """The samples whose target top-1 each window checked (the flags it kept for the later windows)."""
+    ids = []
+    for p in sorted(checkpoints.glob("top1-*.safetensors")):
+        with safe_open(str(p), framework="pt") as f:
+            ids += json.loads(f.metadata()["sample_ids"])
+    return ids
+
+
 # ----------------------------------------------------------------------------- tests
 @pytest.fixture(scope="module")
 def all_at_once(world, tmp_path_factory):
@@ -116,6 +127,8 @@ def test_a_budget_forcing_three_windows_keeps_the_disk_under_it_and_trains_as_ca
     assert reads == all_at_once["reads"]
     epoch0 = [sid for batch in reads[:epoch_end] for sid in batch]
     assert sorted(epoch0) == sorted(world["train_ids"])
+    # the top-1 check once a sample in the run, as capturing everything: later windows read the flags back
+    assert sorted(top1_checked(tmp_path / "checkpoints")) == sorted(world["train_ids"] | world["heldout_ids"])
     out, ref = tmp_path / "train-w002", all_at_once["out"]
     assert losses(out) == pytest.approx(losses(ref), rel=1e-6, abs=1e-7)
     a, b = load_file(str(out / "model.safetensors")), load_file(str(ref / "model.safetensors"))

@@ -5,6 +5,7 @@
     ckpt.save(step, draft, opt, history, dist, config, best_step)   # config: the run's, as a dict
     ckpt.load_latest(draft, opt, dist, config, free=("log_every",))  # refuses another config by key
     ckpt.save_best(step, draft, dist); ckpt.best_weights(step)       # the best held-out weights, kept aside
+    flags = Top1Flags(ckpt.root, key); flags.read(); flags.write("w003", {sample_id: flags})  # a run in windows
     embed, lm_head, norm = load_target_head_weights(target_dir, draft_config)
 """
 from __future__ import annotations
@@ -218,6 +219,43 @@ def _check_same_config(p: Path, saved: dict | None, config: dict, free: tuple[st
         shown = "; ".join(f"{k}: checkpoint {saved.get(k)!r}, now {config.get(k)!r}" for k in differ)
         raise BadInput(f"checkpoint {p} was trained with another config ({shown}); resume with the config it was "
                        f"trained with, or delete {p.parent} to train from scratch")
+
+
+class Top1Flags:
+    """The trainer's target top-1 check per sample (is the target's top-1 at each row a draft token), kept beside
+    the checkpoints of a run in windows: a window writes the flags of the samples it checked (top1-NAME.safetensors),
+    a later one (the next epoch's, whose capture takes its samples again, or one resumed after a kill) reads them
+    instead of reading those samples' states and checking again: once a sample a run, as without windows. A file
+    written under another `key` (what decides the flags: the run's config, the capture's layers and dtypes) is
+    passed over."""
+
+    def __init__(self, root: Path, key: dict):
+        self.root, self.key = Path(root), json.loads(json.dumps(key))  # as a file's metadata gives it back
+
+    def read(self) -> dict[str, torch.Tensor]:
+        """Sample id -> its flags [length] (uint8), of every file written under this key."""
+        out = {}
+        for p in sorted(self.root.glob("top1-*.safetensors")):
+            with safe_open(str(p), framework="pt") as f:
+                meta = f.metadata() or {}
+                if json.loads(meta.get("key", "null")) != self.key:
+                    continue
+                flat = f.get_tensor("flags")
+            out.update(zip(json.loads(meta["sample_ids"]), flat.split(json.loads(meta["lengths"]))))
+        return out
+
+    def write(self, name: str, flags: dict[str, torch.Tensor]) -> Path:
+        """These samples' flags, under a dot-name renamed when whole (one rank a host writes)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        final = self.root / f"top1-{name}.safetensors"
+        tmp = self.root / f".{final.name}.tmp-{os.getpid()}"
+        save_file({"flags": torch.cat([f.to(torch.uint8) for f in flags.values()])}, str(tmp),
+                  metadata={"key": json.dumps(self.key), "sample_ids": json.dumps(list(flags)),
+                            "lengths": json.dumps([len(f) for f in flags.values()])})
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        return final
 
 
 def save_weights(draft, folder: Path) -> None:

@@ -30,7 +30,9 @@ step; an evaluation's figures under "heldout") and checkpoints/step-N/ (the last
 every `checkpoint_every` steps and at the end hold model, optimiser, the data position (the step:
 the packing plan is a function of seed and epoch, the learning rate of the step), every rank's RNG
 and the config; a killed run started again with the same config continues from the newest one
-exactly, and one started with another config (beyond RESUMABLE_CHANGES) is refused by key.
+exactly, and one started with another config (beyond RESUMABLE_CHANGES) is refused by key. A run in
+windows (TrainConfig.windows) keeps its target top-1 flags beside its checkpoints too (Top1Flags), so
+a sample's top-1 is checked once a run however many windows read it.
 """
 from __future__ import annotations
 
@@ -55,7 +57,7 @@ from remote.draft.model import EagleDraft
 from remote.evaluate.evaluate import chain_tally, heldout_plan
 from remote.step import BadInput, StepOutput, begin_step, emit, log, progress, step_main, write_json_atomic
 from remote.train.config import TrainConfig
-from remote.train.state import Checkpoints, Distributed, load_target_head_weights, save_weights
+from remote.train.state import Checkpoints, Distributed, Top1Flags, load_target_head_weights, save_weights
 from remote.train.vocab import DraftVocab
 from remote.train.windows import TrainWindow
 
@@ -90,6 +92,8 @@ class Trainer:
         self.lengths = self.window.lengths if self.window else self.index.lengths
         self.local = self.window.positions(self.index, cfg.capture_dir) if self.window else None
         self.heldout = self._heldout_index()
+        self.ckpt = Checkpoints(Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else stage / "checkpoints",
+                                keep=cfg.keep_checkpoints)
         self._build_model()
         self.micro = dist.local_world * cfg.grad_accum  # micro-batches per optimizer step of this host's ranks
         # per epoch: the packing plan, cut to whole optimizer steps
@@ -100,8 +104,6 @@ class Trainer:
         self.warmup_steps = cfg.warmup_steps or math.ceil(cfg.warmup * self.total_steps)
         self.eval_every = cfg.eval_every or max(1, math.ceil(self.total_steps / 20))
         self.opt = build_optimizer(cfg, self.draft, self.cuda)
-        self.ckpt = Checkpoints(Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else stage / "checkpoints",
-                                keep=cfg.keep_checkpoints)
         self.history: list[dict] = []
         self.step = 0
         self.my_tokens = 0  # tokens this rank trained on in this run (a resumed run counts from the resume)
@@ -149,10 +151,7 @@ class Trainer:
         # the loss drops the others, held-out ones always: the evaluation scores them as misses).
         full = TargetHead.from_weights(norm_w, lm_head, self.vocab.t2d, self.dcfg.rms_norm_eps).to(dev, self.dtype)
         if full.other_rows is not None:
-            if cfg.drop_outside_top1:
-                self._precompute_in_draft(full, self.index)
-            if self.heldout is not None:
-                self._precompute_in_draft(full, self.heldout)
+            self._check_top1(full)
         full.other_rows = None  # the steps need only the draft rows
         self.head = full
         self.objective = TTTObjective(draft, cfg.ttt_steps, cfg.step_decay, self._attention, compiled=self.compiled)
@@ -225,27 +224,59 @@ class Trainer:
             step -= n
         raise AssertionError("step beyond the data plan")
 
+    def _check_top1(self, head: TargetHead) -> None:
+        """The top-1 flags of the samples that need them: train samples when the loss drops the others, held-out
+        ones always (the evaluation scores them as misses). In windows, those an earlier window of the run
+        checked are read back (Top1Flags: its next epoch captures them again) and this window's kept for later."""
+        store = self._top1_store()
+        known = store.read() if store else {}
+        checked: dict[str, torch.Tensor] = {}
+        wanted = [self.index] if self.cfg.drop_outside_top1 else []
+        for index in wanted + ([self.heldout] if self.heldout is not None else []):
+            t0 = time.perf_counter()
+            todo = [i for i, r in enumerate(index.refs) if r.sample_id not in known]
+            checked.update(self._precompute_in_draft(head, index, todo))
+            index.set_in_draft([known[r.sample_id] if r.sample_id in known else checked[r.sample_id]
+                                for r in index.refs])
+            n, inside = sum(index.lengths), sum(int(f.sum()) for f in index.in_draft)
+            back = f", {len(index.refs) - len(todo)} read back from earlier windows" if store else ""
+            log(f"train: target top-1 inside the draft vocabulary at {inside / max(1, n):.2%} of {n} "
+                f"{'train' if index is self.index else 'held-out'} positions ({len(todo)} samples checked in "
+                f"{time.perf_counter() - t0:.1f} s{back})")
+        if store and checked and self.dist.local_rank == 0:
+            store.write(f"w{self.cfg.window:03d}", checked)
+
+    def _top1_store(self) -> Top1Flags | None:
+        """A run in windows keeps its top-1 flags beside its checkpoints, under the config its windows share."""
+        if not self.window:
+            return None
+        c, free = self.capture, RESUMABLE_CHANGES + WINDOW_CHANGES
+        return Top1Flags(self.ckpt.root, {"config": {k: v for k, v in asdict(self.cfg).items() if k not in free},
+                                          "capture": [c.target, list(c.layer_ids), c.dtype, c.storage_dtype]})
+
     @torch.no_grad()
-    def _precompute_in_draft(self, head: TargetHead, index: CaptureIndex) -> None:
-        """The full-vocabulary top-1 check, once a sample instead of every epoch's step.
+    def _precompute_in_draft(self, head: TargetHead, index: CaptureIndex, todo: list[int]) -> dict[str, torch.Tensor]:
+        """The full-vocabulary top-1 check of the index's samples `todo`, once a sample instead of every epoch's step.
 
         Rank r checks every world-th sample, in batches of token_budget rows; the flags are summed
         over the ranks so every rank holds all of them.
         """
-        t0, dev, lengths = time.perf_counter(), self.dist.device, index.lengths
+        if not todo:  # every rank alike: the same samples, the same files read back
+            return {}
+        dev, lengths = self.dist.device, [index.refs[i].length for i in todo]
         offsets = [0]
         for n in lengths:
             offsets.append(offsets[-1] + n)
         flat = torch.zeros(offsets[-1], dtype=torch.uint8, device=dev)
         group: list[int] = []
         rows = 0  # in the group
-        mine = list(range(self.dist.local_rank, len(lengths), self.dist.local_world))
-        for j, i in enumerate(mine):
-            group.append(i)
-            rows += lengths[i]
+        mine = list(range(self.dist.local_rank, len(todo), self.dist.local_world))
+        for j, k in enumerate(mine):
+            group.append(k)
+            rows += lengths[k]
             if j + 1 < len(mine) and rows + lengths[mine[j + 1]] <= self.cfg.token_budget:
                 continue
-            last = torch.cat(index.last_states(group)).to(dev, self.dtype)
+            last = torch.cat(index.last_states([todo[g] for g in group])).to(dev, self.dtype)
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.amp):
                 f = head.in_draft(last)
             pos = 0
@@ -254,10 +285,7 @@ class Trainer:
                 pos += lengths[g]
             group, rows = [], 0
         flat = self.dist.all_reduce(flat, node=True).cpu()
-        index.set_in_draft([flat[offsets[i]:offsets[i + 1]] for i in range(len(lengths))])
-        share = float(flat.float().mean()) if len(flat) else 0.0
-        log(f"train: target top-1 inside the draft vocabulary at {share:.2%} of {len(flat)} "
-            f"{'train' if index is self.index else 'held-out'} positions ({time.perf_counter() - t0:.1f} s, once)")
+        return {index.refs[i].sample_id: flat[offsets[k]:offsets[k + 1]] for k, i in enumerate(todo)}
 
     @torch.no_grad()
     def evaluate(self) -> dict | None:
