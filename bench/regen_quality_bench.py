@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         folder = work / name
         s, pm = step("prepare", {"inputs": [sources[name]], "tokenizer": model, "out_dir": str(folder / "prepare"),
                                  "max_length": 1024, "heldout_permille": a.heldout_permille}, folder)
-        data[name] = capture_and_vocab(str(folder / "prepare" / "data.parquet"), model, folder, cache, a)
+        data[name] = capture_and_vocab(str(folder / "prepare" / "data.parquet"), model, folder, f"{cache}/{name}", a)
         data[name]["seconds"]["prepare"] = s
         result["datasets"][name] = {**data[name], "prepare_counts": pm["counts"]}
         write_result(out / "regen_quality.json", result)
