@@ -14,9 +14,10 @@ capture; no vLLM there), with PACK/a and PACK/b joined into smollm2.gguf beside 
     python3 bench/quality_bench.py --model-dir /root/qb/work/model --prepared data.parquet \
         --arms ten-minutes --calibrate --cache-root /dev/shm/qb --work /root/qb/work --out $OUT
 
-Seen there (2026-12-03): conversion and data selection about 45 s; the transformers capture runs
-at 37k tokens/s alone even into /dev/shm (the first 5,000 conversations in 111 s, so all of them
-in about 210 s: its one-thread copy-and-write path, not the disk, bounds it), 14k beside two trainers. Arms in
+Seen there (2026-12-03): conversion and data selection about 45 s; the transformers capture ran
+at 37k tokens/s alone into /dev/shm while it packed samples into one row (transformers' block-diagonal
+mask costs the row's length squared), 133.7k since it forwards padded rows (all 9,870 conversations
+in 72 s; bench/hf_capture_bench.py). Arms in
 parallel on the one GPU do not pay: processes time-slice it (no MPS), so 8 arms at once made
 eaglet's top-1 pre-pass 200 s instead of seconds and no arm finished in 9 minutes; run them one
 after another (the default) and order a preset by importance.
@@ -374,8 +375,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default="transformers", choices=("transformers", "vllm"),
                     help="capture backend: transformers on a GPU host without vLLM, vllm (CPU, float32) here")
     ap.add_argument("--capture-tokens", type=int, default=32768, help="tokens of one capture forward")
-    ap.add_argument("--tokens-per-s", type=float, default=100000, help="budget arms: the trainer's tokens/s, estimated")
-    ap.add_argument("--startup-s", type=float, default=100, help="budget arms: the trainer's start (load, compile)")
+    ap.add_argument("--tokens-per-s", type=float, default=115000,
+                    help="budget arms: the trainer's token_budget tokens a step over its seconds a step (H200, SmolLM2: 115.9k)")
+    ap.add_argument("--startup-s", type=float, default=40,
+                    help="budget arms: the train step's seconds outside its steps (load, compile; H200: 24.5)")
     ap.add_argument("--reserve-s", type=float, default=60, help="budget arms: seconds kept for export and evaluate")
     ap.add_argument("--calibrate", action="store_true", help="budget arms: the two estimates from WORK/calibration.json")
     ap.add_argument("--startup-margin-s", type=float, default=30, help="--calibrate: seconds added to the start")
