@@ -14,6 +14,9 @@ capture; no vLLM there), with PACK/a and PACK/b joined into smollm2.gguf beside 
     python3 bench/quality_bench.py --model-dir /root/qb/work/model --prepared data.parquet \
         --arms ten-minutes --calibrate --cache-root /dev/shm/qb --work /root/qb/work --out $OUT
 
+bench/h200_queue.sh is the queue the last session ran there and how it travels (its 10-minute arm then took
+--tokens-per-s 120000; it now takes the defaults, measured by that run).
+
 Seen there (2026-12-03): conversion and data selection about 45 s; the transformers capture ran
 at 37k tokens/s alone into /dev/shm while it packed samples into one row (transformers' block-diagonal
 mask costs the row's length squared), 133.7k since it forwards padded rows (all 9,870 conversations
