@@ -61,14 +61,6 @@ def packed_forward(backend: HfCapture, plan: ShardPlan) -> list:
     return out
 
 
-def rows_forward(backend: HfCapture, plan: ShardPlan) -> list:
-    got = [None] * len(plan.samples)
-    for pack in backend.packs(plan):
-        for i, states in zip(pack, backend.forward_pack([plan.samples[i] for i in pack])):
-            got[i] = states
-    return got
-
-
 def timed(fn, backend, plans) -> tuple[float, list]:
     if backend.device.type == "cuda":
         torch.cuda.synchronize()
@@ -106,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         secs, states = {"packed": [], "rows": []}, {}
         for r in range(a.rounds):
             for name in (("packed", "rows") if r % 2 == 0 else ("rows", "packed")):
-                s, states[name] = timed(packed_forward if name == "packed" else rows_forward, backend, plans)
+                s, states[name] = timed(packed_forward if name == "packed" else HfCapture.shard_states, backend, plans)
                 secs[name].append(s)
         flat = [(x, y) for p, q in zip(states["packed"], states["rows"]) for x, y in zip(p, q)]
         diff = max(max((a0 - b0).abs().max().item(), (a1 - b1).abs().max().item()) for (a0, a1), (b0, b1) in flat)

@@ -94,7 +94,6 @@ def main(argv: list[str] | None = None) -> int:
     work, out = Path(a.work), Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     cache = a.cache_root or str(work / "cache")
-    a.model_dir = a.model_dir or ""
     model = target_model(argparse.Namespace(**{**vars(a), "smoke": False}), work)
     result: dict = {"settings": vars(a), "model": model, "seconds": {}, "datasets": {}, "arms": {}}
     n = first_turns(a.conversations, work / "original" / "conversations.jsonl", a.prompts, a.max_prompt_chars)

@@ -107,8 +107,8 @@ class HfCapture:
             hook.remove()
         # no aux layers: a subclass that only generates (remote.data.regenerate_engines) probes causality on the last
         aux = torch.cat([out.hidden_states[i] for i in self.layer_ids] or [out.hidden_states[-1][..., :0]], dim=-1)
-        real = torch.arange(width)[None] < torch.tensor(lengths)[:, None]  # [B, width]: not padding
-        aux, last = aux[real.to(aux.device)].to("cpu"), final["h"][real.to(aux.device)].to("cpu")
+        real = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).to(aux.device)  # [B, width]: not padding
+        aux, last = aux[real].to("cpu"), final["h"][real].to("cpu")
         return list(zip(aux.split(lengths), last.split(lengths)))
 
     def packs(self, plan: ShardPlan) -> list[list[int]]:
@@ -124,17 +124,26 @@ class HfCapture:
                 packs.append([i])
         return packs
 
+    def shard_states(self, plan: ShardPlan, on_pack=lambda rows: None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(aux, final) of each of the shard's samples, in its planned order; on_pack(rows) after each forward."""
+        states: list = [None] * len(plan.samples)
+        for pack in self.packs(plan):
+            rows = [plan.samples[i] for i in pack]
+            for i, st in zip(pack, self.forward_pack(rows)):
+                states[i] = st
+            on_pack(rows)
+        return states
+
     def capture(self, plans: Sequence[ShardPlan], on_written, prog) -> dict:
         passes = 0
+
+        def done(rows) -> None:
+            nonlocal passes
+            passes += 1
+            prog.add(len(rows), sum(int(s.input_ids.size) for s in rows))
         for plan in plans:
-            samples: list[Sample | None] = [None] * len(plan.samples)
-            for pack in self.packs(plan):
-                rows = [plan.samples[i] for i in pack]
-                for i, s, (aux, last) in zip(pack, rows, self.forward_pack(rows)):
-                    samples[i] = Sample(s.sample_id, s.split, torch.from_numpy(s.input_ids),
-                                        torch.from_numpy(s.loss_mask), aux, last)
-                passes += 1
-                prog.add(len(rows), sum(int(s.input_ids.size) for s in rows))
+            samples = [Sample(s.sample_id, s.split, torch.from_numpy(s.input_ids), torch.from_numpy(s.loss_mask), aux, last)
+                       for s, (aux, last) in zip(plan.samples, self.shard_states(plan, done))]
             try:
                 write_shard(plan.path, samples, self.layer_ids, self.cfg.storage_dtype)
             except OSError as e:
