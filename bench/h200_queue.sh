@@ -23,7 +23,7 @@ open('/root/qb/model_dir','w').write(str(m))
 " || { echo convert failed; touch /root/qb/done; exit 1; }
 M=$(cat /root/qb/model_dir)
 echo "converted $(date +%s) $M"
-for cut in 1024:/root/qb/a 2048:/root/qb/d; do
+for cut in ${*:-1024:/root/qb/a 2048:/root/qb/d}; do  # arguments: CUT:FOLDER of data.parquet ...
     n=${cut%%:*}
     timeout 700 python3 bench/quality_bench.py --model-dir $M --prepared ${cut#*:}/data.parquet --arms ten-minutes \
         --cache-root /dev/shm/q$n --work /root/qb/work$n --out $R/q$n
