@@ -12,10 +12,9 @@ capture; no vLLM there), with PACK/a and PACK/b joined into smollm2.gguf beside 
     python3 bench/quality_bench.py --gguf smollm2.gguf --prepared data.parquet --subset-rows 4468 \
         --arms budget --deadline 540 --cache-root /dev/shm/qb --work /root/qb/work --out $OUT
     python3 bench/quality_bench.py --model-dir /root/qb/work/model --prepared data.parquet \
-        --arms ten-minutes --calibrate --cache-root /dev/shm/qb --work /root/qb/work --out $OUT
+        --arms ten-minutes --cache-root /dev/shm/qb --work /root/qb/work --out $OUT
 
-bench/h200_queue.sh is the queue the last session ran there and how it travels (its 10-minute arm then took
---tokens-per-s 120000; it now takes the defaults, measured by that run).
+bench/h200_queue.sh is the queue the last session ran there and how it travels.
 
 Seen there (2026-12-03): conversion and data selection about 45 s; the transformers capture ran
 at 37k tokens/s alone into /dev/shm while it packed samples into one row (transformers' block-diagonal
@@ -47,9 +46,8 @@ conditional accuracies p1..p3 on the held-out split. An arm with "storage": "fp8
 evaluated on an fp8 copy of its data's capture (the same states, stored as capture.storage_dtype fp8 stores them). Arms share the capture and the vocabulary of
 their data ("subset": the first --subset-rows samples; "all": every one); an arm with own_capture
 captures its data itself into a fresh cache, timed as its own (the 10-minute arm: capture +
-training + offline evaluation within budget_seconds, training sized to what is left: --tokens-per-s
-and --startup-s are its estimates of the trainer, or --calibrate reads them from what the eaglet
-arms of an earlier run in the same work folder measured). Arms run one after another, or --parallel at a
+training + offline evaluation within budget_seconds: the trainer gets what is left as its own deadline,
+max_seconds, and cuts its steps to what fits at the pace it measures). Arms run one after another, or --parallel at a
 time (each a process; `concurrent` in each record names the arms that ran beside it, so its wall
 time is read with that). Results go to OUT/quality.json, rewritten as each
 arm ends; an arm marked keep leaves its draft in OUT/draft-<name>.tar (the lm_head left out when
@@ -171,13 +169,17 @@ def fp8_copy(own: dict, work: Path) -> dict:
 
 
 def size_training(arm: dict, spent: float, a) -> dict:
-    """The train dict of a budget_seconds arm with max_steps sized to the time left."""
+    """The train dict of a budget_seconds arm: the trainer's own deadline (max_seconds) is what the budget leaves
+    after what was spent, --reserve-s (export, evaluate) and --startup-s (the train step's start before the
+    trainer's clock runs); its step budget, unless the arm sets one, is the most a run plans (10 epochs), which
+    the deadline cuts to what fits at the pace it measures."""
     train = dict(arm.get("train", {}))
     left = arm["budget_seconds"] - spent - a.reserve_s - a.startup_s
-    steps = int(left * a.tokens_per_s // train.get("token_budget", 8192))
-    if steps < 1:
+    if left < 1:
         raise SystemExit(f"arm {arm['name']}: {spent:.0f} s spent before training leaves no time for it")
-    return {**train, "max_steps": steps}
+    if not any(train.get(k) for k in ("max_steps", "train_tokens", "epochs")):
+        train["epochs"] = 10.0
+    return {**train, "max_seconds": round(left, 1)}
 
 
 def run_arm(arm: dict, shared: dict, model: str, a, work: Path, t_start: float, running: list) -> dict:
@@ -235,33 +237,6 @@ def run_arm(arm: dict, shared: dict, model: str, a, work: Path, t_start: float, 
         rec["error"] = str(e)[-3000:]
     rec["wall_s"] = round(time.perf_counter() - t0, 1)
     return rec
-
-
-def calibration(result: dict, work: Path) -> list[dict]:
-    """What the eaglet arms of this run say about the trainer, for sizing a later budget_seconds arm
-    (`--calibrate`): token_budget over the median seconds of its last 30 steps (the longest arm ends
-    alone) and the seconds of the train step outside its steps (start, compile, evaluations, the write)."""
-    cal = []
-    for r in result["arms"]:
-        curve = work / r["name"] / "train" / "loss.jsonl"
-        if r["impl"] != "eaglet" or "error" in r or not curve.is_file():
-            continue
-        rows = [json.loads(line) for line in curve.read_text().splitlines() if line.strip()]
-        last = sorted(x["seconds"] for x in rows[-30:])
-        budget = r["train_settings"].get("token_budget", 8192)  # nominal: what size_training divides by
-        cal.append({"arm": r["name"], "tokens_per_s": budget / last[len(last) // 2], "steps": len(rows),
-                    "startup_s": r["seconds"]["train"] - sum(x["seconds"] for x in rows), "concurrent": r["concurrent"]})
-    return cal
-
-
-def calibrate(a, work: Path) -> None:
-    """--tokens-per-s and --startup-s from an earlier run's calibration.json in this work folder."""
-    cal = json.loads((work / "calibration.json").read_text())["arms"]
-    if not cal:
-        raise SystemExit(f"{work}/calibration.json holds no finished eaglet arm to size the training by")
-    a.tokens_per_s = max(c["tokens_per_s"] for c in cal)
-    a.startup_s = max(c["startup_s"] for c in cal) + a.startup_margin_s
-    print(f"calibrated: {a.tokens_per_s:.0f} tokens/s, {a.startup_s:.0f} s outside the steps", flush=True)
 
 
 # ----------------------------------------------------------------------------- drafts that travel back
@@ -378,13 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default="transformers", choices=("transformers", "vllm"),
                     help="capture backend: transformers on a GPU host without vLLM, vllm (CPU, float32) here")
     ap.add_argument("--capture-tokens", type=int, default=32768, help="tokens of one capture forward")
-    ap.add_argument("--tokens-per-s", type=float, default=115000,
-                    help="budget arms: the trainer's token_budget tokens a step over its seconds a step (H200, SmolLM2: 115.9k)")
-    ap.add_argument("--startup-s", type=float, default=40,
-                    help="budget arms: the train step's seconds outside its steps (load, compile; H200: 24.5)")
+    ap.add_argument("--startup-s", type=float, default=10,
+                    help="budget arms: the train step's seconds before the trainer's clock starts (the interpreter, imports)")
     ap.add_argument("--reserve-s", type=float, default=60, help="budget arms: seconds kept for export and evaluate")
-    ap.add_argument("--calibrate", action="store_true", help="budget arms: the two estimates from WORK/calibration.json")
-    ap.add_argument("--startup-margin-s", type=float, default=30, help="--calibrate: seconds added to the start")
     ap.add_argument("--smoke", action="store_true", help="CPU dress rehearsal: tiny random target, few rows")
     ap.add_argument("--unpack", nargs=2, metavar=("TAR", "DEST"), help="only make a kept draft whole (with --model-dir)")
     ap.add_argument("--check", action="store_true", help="only check the arms' settings against their configs")
@@ -400,12 +371,10 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     a.cache_root = a.cache_root or str(work / "cache")
-    if a.smoke:  # and the 10-minute arm trains 4 steps of 512 tokens
-        a.subset_rows, a.draft_vocab_size, a.capture_tokens, a.tokens_per_s = 24, 1024, 4096, 5
+    if a.smoke:
+        a.subset_rows, a.draft_vocab_size, a.capture_tokens = 24, 1024, 4096
     arms = [x for x in arms_of("smoke" if a.smoke else a.arms) if not a.only or x["name"] in a.only]
     check_arms(arms)
-    if a.calibrate:
-        calibrate(a, work)
     model = target_model(a, work)
     cut = dict(max_tokens=256, min_heldout=3) if a.smoke else {}
     datasets = {"all": str(select_rows(a.prepared, work / "data-all" / "data.parquet", 48 if a.smoke else 0, **cut)),
@@ -432,7 +401,6 @@ def main(argv: list[str] | None = None) -> int:
     with ThreadPoolExecutor(max_workers=a.parallel) as pool:
         list(pool.map(one, arms))
     write_result(out / "quality.json", result)
-    write_result(work / "calibration.json", {"arms": calibration(result, work)})
     print(json.dumps([summary_line(r) for r in result["arms"]], indent=1))
     return 0 if all("error" not in r for r in result["arms"]) else 1
 

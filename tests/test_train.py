@@ -7,6 +7,7 @@ import json
 import math
 import re
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -387,3 +388,53 @@ def test_a_step_that_raises_shuts_the_read_ahead_thread_down(inputs, tmp_path):
     with pytest.raises(RuntimeError, match="the step failed"):
         t.run()
     assert t._next is not None and not reader.is_alive()
+
+
+def test_a_deadline_cuts_the_budget_to_the_steps_that_fit_and_a_resume_keeps_the_cut(one_token, tmp_path):
+    """max_seconds: 10 epochs planned, each step slowed by 100 ms (a bigger draft's pace; the tiny one's steps take
+    10-50 ms here, more on a loaded machine): the run is cut once to what fits, held-out evaluations counted, ends
+    inside the deadline (a step's slack) having used most of it, its schedule reaches its floor at the cut's last
+    step, which is evaluated, and a run resumed from its checkpoint keeps the cut."""
+    from remote.train.train import lr_factor
+
+    cfg = {**one_token, "lr": 3e-3, "weight_decay": 0.01, "warmup_steps": 1, "max_steps": 0, "epochs": 10.0,
+           "eval_every": 0, "patience": 0, "max_seconds": 5.0, "out_dir": str(tmp_path / "o")}
+    t = _trainer(cfg, tmp_path / "s")
+    planned, step = t.total_steps, t.train_step
+    t.train_step = lambda: (time.sleep(0.1), step())[1]
+    t.run()
+    took = time.perf_counter() - t.t0
+    cut = [r["deadline"] for r in t.history if "deadline" in r]
+    assert len(cut) == 1 and cut[0]["planned_steps"] == planned and t.step == t.total_steps == cut[0]["total_steps"]
+    assert cut[0]["eval_s"] > 0 and t.total_steps < planned, (planned, cut)
+    assert 3.5 < took <= 5.0 + cut[0]["step_s"], cut  # inside the deadline, most of it used
+    assert t.history[-1]["lr"] == pytest.approx(cfg["lr"] * lr_factor(t.step - 1, t.step, 1, "linear", 0))
+    assert "heldout" in t.history[-1] and t.eval_every == math.ceil(t.step / 20)
+    again = _trainer(cfg, tmp_path / "s")  # the same stage: resumes from the last checkpoint
+    assert again.total_steps == planned
+    again.resume()
+    assert (again.step, again.total_steps, again.end_step) == (t.step, t.step, t.step) and again.finished
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_meet_a_deadline_at_the_same_step(one_token, tmp_path):
+    """Each rank times its own steps: they decide together (their readiness all-reduced) and take the smallest
+    total, or the next collective would pair one rank's evaluation with another's step and hang."""
+    out = tmp_path / "out"
+    r = run_train({**one_token, "lr": 3e-3, "weight_decay": 0.01, "warmup_steps": 1, "max_steps": 0, "epochs": 10.0,
+                   "eval_every": 0, "patience": 0, "max_seconds": 6.0, "nproc_per_node": 2, "out_dir": str(out)},
+                  tmp_path / "c.json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "loss.jsonl").read_text().splitlines()]
+    cut = [x["deadline"] for x in rows if "deadline" in x]
+    m = json.loads((out / "manifest.json").read_text())
+    assert len(cut) == 1 and cut[0]["total_steps"] == m["counts"]["steps"] == rows[-1]["step"]
+    assert m["counts"]["world_size"] == 2 and "heldout" in rows[-1]
+
+
+def test_a_deadline_is_refused_in_windows(inputs, tmp_path, capsys):
+    from remote.step import BadInput
+
+    with pytest.raises(BadInput, match="max_seconds 60 with windows"):
+        _trainer({**inputs, "max_seconds": 60, "windows": str(tmp_path / "w"), "out_dir": str(tmp_path / "o")},
+                 tmp_path / "s")

@@ -19,7 +19,8 @@ step and save memory nobody is short of. Each rank reads only its own micro-batc
 
 The recipe (docs/TRAINING.md): AdamW, or Muon for the hidden weight matrices beside AdamW; a
 linear warmup, then a linear or cosine fall to min_lr_ratio over the budget (max_steps, or
-train_tokens, or epochs, or by default auto_train_tokens' worth of the data). Every `eval_every`
+train_tokens, or epochs, or by default auto_train_tokens' worth of the data; a deadline, max_seconds, cuts
+it once to the steps that fit at the pace the run measures). Every `eval_every`
 steps the draft's offline acceptance length on the held-out split is measured with the evaluate
 step's own chain count (remote.evaluate.evaluate.chain_tally, no engine); the best draft is kept
 aside (checkpoints/best-N/) and the run stops after `patience` evaluations without a better one.
@@ -75,6 +76,7 @@ class Trainer:
     """Builds the model, optimizer and data plan from a config; `run()` trains to the end."""
 
     def __init__(self, cfg: TrainConfig, dist: Distributed, stage: Path):
+        self.t0 = time.perf_counter()  # max_seconds counts from here
         self.cfg, self.dist, self.stage = cfg, dist, stage
         self.cuda = dist.device.type == "cuda"
         self.compiled = cfg.compile == "yes" or (cfg.compile == "auto" and self.cuda)
@@ -88,6 +90,9 @@ class Trainer:
         self.capture, self.vocab, self.dcfg, self.target = inputs
         self.index = CaptureIndex.build(self.capture, split="train")
         # In windows the plan numbers every train sample (the windows step's list), this capture holds the window's
+        if cfg.windows and cfg.max_seconds:
+            raise BadInput(f"max_seconds {cfg.max_seconds:g} with windows {cfg.windows}: a run in windows plans its "
+                           "captures from its steps, which a deadline would cut; set a token or epoch budget")
         self.window = TrainWindow.load(cfg.windows, cfg.window) if cfg.windows else None
         self.lengths = self.window.lengths if self.window else self.index.lengths
         self.local = self.window.positions(self.index, cfg.capture_dir) if self.window else None
@@ -103,6 +108,8 @@ class Trainer:
         self.end_step = self.window.last_step if self.window else self.total_steps  # where this run stops
         self.warmup_steps = cfg.warmup_steps or math.ceil(cfg.warmup * self.total_steps)
         self.eval_every = cfg.eval_every or max(1, math.ceil(self.total_steps / 20))
+        self.paced: list[float] = []  # with max_seconds, until it is met: when each step of this process began
+        self.evaluated = False  # whether this process has evaluated (its first evaluation compiles, on a GPU)
         self.opt = build_optimizer(cfg, self.draft, self.cuda)
         self.history: list[dict] = []
         self.step = 0
@@ -292,6 +299,7 @@ class Trainer:
         """Offline acceptance on the held-out split (remote.evaluate.evaluate's own chain count), every
         host's samples, split over its ranks and summed; None when no host holds any."""
         cfg, dist = self.cfg, self.dist
+        self.evaluated = True
         k = min(cfg.eval_k, cfg.ttt_steps)
         plan = [] if self.heldout is None else heldout_plan(self.heldout, cfg.token_budget,
                                                             max(1, cfg.eval_tokens // cfg.nnodes))
@@ -308,6 +316,9 @@ class Trainer:
         if state is not None:
             self.step, self.history = state["step"], state["history"]
             log(f"train: resumed at step {self.step} from {state['path']}")
+            for r in self.history:  # a deadline met before the kill holds on: the same total, the same schedule
+                if "deadline" in r:
+                    self._cut_to(r["deadline"]["total_steps"])
         if self.window:
             self.window.check_start(self.step, self.ckpt.root)
 
@@ -381,8 +392,11 @@ class Trainer:
         tokens trained."""
         tokens = 0
         while self.step < self.end_step and not self.stopped_early:
+            if self.cfg.max_seconds and not any("deadline" in r for r in self.history):
+                self.paced.append(time.perf_counter())
             rec = self.train_step()
             self._evaluate_now(rec)
+            self._meet_deadline(rec)
             self.history.append(rec)
             tokens += rec["tokens"]
             if self.dist.local_rank == 0 and (self.step % self.cfg.log_every == 0 or self.step == self.total_steps):
@@ -396,6 +410,42 @@ class Trainer:
                 if self.dist.local_rank == 0:
                     emit("checkpoint", step=self.step, path=str(path))
         return tokens
+
+    def _meet_deadline(self, rec: dict) -> None:
+        """With max_seconds: once 8 steps after the first two (compiling) have taken 5% of it, the total is cut,
+        once, to what fits in the time left at their pace, less the held-out evaluations still to come (one is
+        timed now, its figures not kept; the process's first one compiles, so it runs first, untimed). Every rank
+        takes the smallest total any rank found."""
+        cfg, paced = self.cfg, self.paced
+        if len(paced) < 10 or any("deadline" in r for r in self.history):
+            return
+        now = time.perf_counter()
+        ready = torch.tensor(int(now - paced[2] >= 0.05 * cfg.max_seconds), device=self.dist.device)
+        if not int(self.dist.all_reduce(ready, "min")):  # every rank decides at the same step, or none does
+            return
+        step_s = (now - paced[2]) / (len(paced) - 2)  # the steps' own time and what comes with them (logs, saves)
+        eval_s = 0.0
+        if cfg.eval_tokens and self.heldout is not None:
+            if not self.evaluated:
+                self.evaluate()
+            t = time.perf_counter()
+            self.evaluate()
+            eval_s = time.perf_counter() - t
+        left = cfg.max_seconds - (time.perf_counter() - self.t0)
+        steps = max(0.0, left / step_s)
+        evals = 1 + 20 * steps / (self.step + steps) if eval_s else 0  # at the cut total's pace, the last one too
+        fit = self.step + max(1, int((left - evals * eval_s) * 0.98 / step_s))
+        total = int(self.dist.all_reduce(torch.tensor(min(fit, self.total_steps), device=self.dist.device), "min"))
+        rec["deadline"] = {"total_steps": total, "planned_steps": self.total_steps, "step_s": round(step_s, 5),
+                           "eval_s": round(eval_s, 3), "seconds_left": round(left, 1)}
+        log(f"train: max_seconds {cfg.max_seconds:g}: {step_s * 1000:.1f} ms a step, {eval_s:.2f} s an evaluation, "
+            f"{left:.0f} s left at step {self.step}: {total} steps of the {self.total_steps} planned")
+        self._cut_to(total)
+
+    def _cut_to(self, total: int) -> None:
+        """The run ends at step `total` (no later than planned); the schedule falls to its floor there."""
+        self.total_steps = self.end_step = min(total, self.total_steps)
+        self.eval_every = self.cfg.eval_every or max(1, math.ceil(self.total_steps / 20))
 
     @property
     def finished(self) -> bool:
