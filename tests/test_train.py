@@ -416,6 +416,23 @@ def test_a_deadline_cuts_the_budget_to_the_steps_that_fit_and_a_resume_keeps_the
     assert (again.step, again.total_steps, again.end_step) == (t.step, t.step, t.step) and again.finished
 
 
+def test_a_deadline_counts_the_checkpoints_still_to_come(one_token, tmp_path):
+    """Checkpoints every 12 steps, each slowed by 500 ms (a big draft's save), the first after the step the pace
+    could be taken at: the pace waits for a save, so the run still ends inside its deadline; timing the steps
+    alone it would overrun by about a third of what was left."""
+    cfg = {**one_token, "lr": 3e-3, "weight_decay": 0.01, "warmup_steps": 1, "max_steps": 0, "epochs": 10.0,
+           "eval_every": 0, "patience": 0, "max_seconds": 6.0, "checkpoint_every": 12, "out_dir": str(tmp_path / "o")}
+    t = _trainer(cfg, tmp_path / "s")
+    step, save = t.train_step, t.ckpt.save
+    t.train_step = lambda: (time.sleep(0.1), step())[1]
+    t.ckpt.save = lambda *a, **k: (time.sleep(0.5), save(*a, **k))[1]
+    t.run()
+    took = time.perf_counter() - t.t0
+    cut = [r["deadline"] for r in t.history if "deadline" in r]
+    assert len(cut) == 1 and t.step == cut[0]["total_steps"] < cut[0]["planned_steps"]
+    assert took <= 6.0 + cut[0]["step_s"], cut
+
+
 @pytest.mark.slow
 def test_two_gloo_processes_meet_a_deadline_at_the_same_step(one_token, tmp_path):
     """Each rank times its own steps: they decide together (their readiness all-reduced) and take the smallest

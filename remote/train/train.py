@@ -110,6 +110,7 @@ class Trainer:
         self.eval_every = cfg.eval_every or max(1, math.ceil(self.total_steps / 20))
         self.paced: list[float] = []  # with max_seconds, until it is met: when each step of this process began
         self.evaluated = False  # whether this process has evaluated (its first evaluation compiles, on a GPU)
+        self.saves = 0  # checkpoints this process has written
         self.opt = build_optimizer(cfg, self.draft, self.cuda)
         self.history: list[dict] = []
         self.step = 0
@@ -407,20 +408,25 @@ class Trainer:
                 best = best_eval(self.history)
                 path = self.ckpt.save(self.step, self.draft, self.opt, self.history, self.dist, asdict(self.cfg),
                                       best_step=best["step"] if best else None)
+                self.saves += 1
                 if self.dist.local_rank == 0:
                     emit("checkpoint", step=self.step, path=str(path))
         return tokens
 
     def _meet_deadline(self, rec: dict) -> None:
-        """With max_seconds: once 8 steps after the first two (compiling) have taken 5% of it, the total is cut,
-        once, to what fits in the time left at their pace, less the held-out evaluations still to come (one is
+        """With max_seconds: once 8 steps after the first two (compiling) have taken 5% of it (and, when checkpoints
+        are due before the end, one has been written among them, or 25% has passed), the total is cut, once, to
+        what fits in the time left at their pace, less the held-out evaluations still to come (one is
         timed now, its figures not kept; the process's first one compiles, so it runs first, untimed). Every rank
         takes the smallest total any rank found."""
         cfg, paced = self.cfg, self.paced
         if len(paced) < 10 or any("deadline" in r for r in self.history):
             return
         now = time.perf_counter()
-        ready = torch.tensor(int(now - paced[2] >= 0.05 * cfg.max_seconds), device=self.dist.device)
+        waited = now - paced[2]
+        saves_ahead = cfg.checkpoint_every < self.total_steps - self.step  # then a save's time belongs in the pace
+        ok = waited >= 0.05 * cfg.max_seconds and (not saves_ahead or self.saves > 0 or waited >= 0.25 * cfg.max_seconds)
+        ready = torch.tensor(int(ok), device=self.dist.device)
         if not int(self.dist.all_reduce(ready, "min")):  # every rank decides at the same step, or none does
             return
         step_s = (now - paced[2]) / (len(paced) - 2)  # the steps' own time and what comes with them (logs, saves)
