@@ -89,10 +89,10 @@ class Trainer:
         inputs = resolve_inputs(cfg)
         self.capture, self.vocab, self.dcfg, self.target = inputs
         self.index = CaptureIndex.build(self.capture, split="train")
-        # In windows the plan numbers every train sample (the windows step's list), this capture holds the window's
         if cfg.windows and cfg.max_seconds:
             raise BadInput(f"max_seconds {cfg.max_seconds:g} with windows {cfg.windows}: a run in windows plans its "
                            "captures from its steps, which a deadline would cut; set a token or epoch budget")
+        # In windows the plan numbers every train sample (the windows step's list), this capture holds the window's
         self.window = TrainWindow.load(cfg.windows, cfg.window) if cfg.windows else None
         self.lengths = self.window.lengths if self.window else self.index.lengths
         self.local = self.window.positions(self.index, cfg.capture_dir) if self.window else None
@@ -109,6 +109,7 @@ class Trainer:
         self.warmup_steps = cfg.warmup_steps or math.ceil(cfg.warmup * self.total_steps)
         self.eval_every = cfg.eval_every or max(1, math.ceil(self.total_steps / 20))
         self.paced: list[float] = []  # with max_seconds, until it is met: when each step of this process began
+        self.met = not cfg.max_seconds  # whether the deadline's cut is decided (or there is none)
         self.evaluated = False  # whether this process has evaluated (its first evaluation compiles, on a GPU)
         self.saves = 0  # checkpoints this process has written
         self.opt = build_optimizer(cfg, self.draft, self.cuda)
@@ -393,7 +394,7 @@ class Trainer:
         tokens trained."""
         tokens = 0
         while self.step < self.end_step and not self.stopped_early:
-            if self.cfg.max_seconds and not any("deadline" in r for r in self.history):
+            if not self.met:
                 self.paced.append(time.perf_counter())
             rec = self.train_step()
             self._evaluate_now(rec)
@@ -420,7 +421,7 @@ class Trainer:
         timed now, its figures not kept; the process's first one compiles, so it runs first, untimed). Every rank
         takes the smallest total any rank found."""
         cfg, paced = self.cfg, self.paced
-        if len(paced) < 10 or any("deadline" in r for r in self.history):
+        if self.met or len(paced) < 10:
             return
         now = time.perf_counter()
         waited = now - paced[2]
@@ -439,7 +440,8 @@ class Trainer:
             eval_s = time.perf_counter() - t
         left = cfg.max_seconds - (time.perf_counter() - self.t0)
         steps = max(0.0, left / step_s)
-        evals = 1 + 20 * steps / (self.step + steps) if eval_s else 0  # at the cut total's pace, the last one too
+        every = cfg.eval_every or max(1.0, (self.step + steps) / 20)  # at the cut total's pace
+        evals = 1 + steps / every if eval_s else 0  # the last one too
         fit = self.step + max(1, int((left - evals * eval_s) * 0.98 / step_s))
         total = int(self.dist.all_reduce(torch.tensor(min(fit, self.total_steps), device=self.dist.device), "min"))
         rec["deadline"] = {"total_steps": total, "planned_steps": self.total_steps, "step_s": round(step_s, 5),
@@ -450,6 +452,7 @@ class Trainer:
 
     def _cut_to(self, total: int) -> None:
         """The run ends at step `total` (no later than planned); the schedule falls to its floor there."""
+        self.met = True
         self.total_steps = self.end_step = min(total, self.total_steps)
         self.eval_every = self.cfg.eval_every or max(1, math.ceil(self.total_steps / 20))
 
