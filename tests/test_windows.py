@@ -157,3 +157,15 @@ def test_the_plan_refuses_a_sample_larger_than_the_budget_naming_the_figures(wor
     assert re.search(r"sample \S+ alone needs [\d,]+ bytes of states \(\d+ tokens x 1029 bytes a token \(float32\); "
                      rf"budget capture.max_disk_gb {held + 30_000:,} bytes; the held-out samples' states {held:,} bytes; the "
                      rf"cache's own files {CACHE_FILES_BYTES:,} bytes, {30_000 - CACHE_FILES_BYTES:,} bytes left for a window\)", err), err
+
+
+def test_the_plan_refuses_a_deadline_when_windows_are_needed_before_any_capture(world, all_at_once, tmp_path, capsys):
+    """A train deadline (max_seconds) cuts the steps that windows are planned from: refused by the plan, naming both
+    settings, before a window is captured; without windows the same deadline plans as ever."""
+    world = {**world, "train": {**world["train"], "max_seconds": 600}}
+    rc, m = plan(world, tmp_path, all_at_once["budget"])
+    err = capsys.readouterr().err
+    assert rc == EXIT_BAD_INPUT and m is None and not (tmp_path / "windows").exists()
+    assert re.search(r"train\.max_seconds 600: the states need 3 windows under capture\.max_disk_gb", err), err
+    rc, m = plan(world, tmp_path, 0.0)
+    assert rc == 0 and m["windows"] == [] and m["counts"]["windows"] == 0

@@ -228,6 +228,10 @@ def run(raw: dict) -> dict:
 
     windows = cut_windows(plans, micro, total, lengths, sizes, room, refuse)
     needed = len(windows) > 1  # one window: the states of every epoch fit at once, captured once
+    if needed and train.max_seconds:  # the train step would refuse it, after a window's capture
+        raise BadInput(f"train.max_seconds {train.max_seconds:g}: the states need {len(windows)} windows under "
+                       f"capture.max_disk_gb, and a run in windows plans its captures from its steps, which a deadline "
+                       "would cut; set a token or epoch budget, or a disk budget the states fit")
     stage = out.open()
     write_json_atomic(stage / PLAN, {"train_ids": ids, "lengths": lengths, "total_steps": total, "epochs": len(plans),
                                      "windows": [_summary(w) for w in windows] if needed else []})
