@@ -55,8 +55,7 @@ def measure(shape: str, args, device) -> dict:
     cuda = device.type == "cuda"
 
     def read(i: int):
-        b = index.load(plan[i % len(plan)], args.tokens, args.tokens)
-        return b.pin_memory() if cuda else b
+        return index.load(plan[i % len(plan)], args.tokens, args.tokens, pin=cuda)
 
     def train(b, wait: float):  # the step: the batch on the device, then the device busy for `wait` seconds
         b = b.to(device, torch.bfloat16)

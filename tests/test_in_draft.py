@@ -1,10 +1,12 @@
 """The target's full-vocabulary top-1 check, computed once a sample (remote.train.train) instead of in
 every step: the batches then carry the flags, and the targets must be the same either way."""
+import pytest
 import torch
 
 from remote.capture.store import CaptureSet, Sample, write_shard
 from remote.draft.data import CaptureIndex
 from remote.draft.loss import PackedBatch, TargetHead
+from remote.step import BadInput
 
 H, V, VD = 32, 200, 40
 
@@ -64,3 +66,36 @@ def test_index_carries_the_flags_into_packed_batches(tmp_path):
     b = index.load([2, 0], token_budget=64, pad_multiple=8)
     assert torch.equal(b.in_draft[:21], torch.cat([flags[2], flags[0]]))
     assert len(b.in_draft) == 24 and not bool(b.in_draft[21:].any())  # padding rows never count
+
+
+def _index(tmp_path, states: dict[int, torch.Tensor], lengths=(9, 5, 12)) -> CaptureIndex:
+    """A one-shard capture of float32 samples; `states` replaces a sample's aux states."""
+    g = torch.Generator().manual_seed(3)
+    samples = [Sample(f"s{i}", "train", torch.randint(0, V, (n,), generator=g, dtype=torch.int32),
+                      torch.ones(n, dtype=torch.uint8), states.get(i, torch.randn(n, 3 * H, generator=g)),
+                      torch.randn(n, H, generator=g)) for i, n in enumerate(lengths)]
+    shard = tmp_path / "shard-00000.safetensors"
+    write_shard(shard, samples, (1, 2, 3))
+    return CaptureIndex.build(CaptureSet([str(shard)], (1, 2, 3), H, "float32", "t"))
+
+
+def test_a_packed_batch_is_its_samples_back_to_back_then_zero_padding(tmp_path):
+    index = _index(tmp_path, {})
+    rows = index._read([2, 0], ("input_ids", "hidden_states", "last_hidden_state"))
+    b = index.load([2, 0], token_budget=64, pad_multiple=8)
+    assert b.n_tokens == 21 and len(b.input_ids) == 24
+    assert torch.equal(b.aux[:21], torch.cat([rows[0]["hidden_states"], rows[1]["hidden_states"]]))
+    assert torch.equal(b.last[12:21], rows[1]["last_hidden_state"])
+    assert torch.equal(b.input_ids[:21], torch.cat([rows[0]["input_ids"], rows[1]["input_ids"]]).long())
+    assert b.doc_ids.tolist() == [0] * 12 + [1] * 9 + [2] * 3 and b.positions.tolist() == [*range(12), *range(9), 0, 1, 2]
+    assert not bool(b.aux[21:].any()) and not bool(b.loss_mask[21:].any()) and not bool(b.input_ids[21:].any())
+
+
+def test_states_with_nan_or_inf_are_refused_naming_the_sample_and_large_finite_ones_pass(tmp_path):
+    big = torch.full((5, 3 * H), 3e38)  # finite, but their sum is not: the exact check must decide
+    assert torch.equal(_index(tmp_path, {1: big}).load([0, 1], token_budget=64).aux[9:], big)
+    for bad in (float("nan"), float("inf")):
+        x = torch.randn(5, 3 * H)
+        x[3, 7] = bad
+        with pytest.raises(BadInput, match=r"sample 's1' of .*shard-00000.safetensors: hidden_states holds NaN or Inf"):
+            _index(tmp_path, {1: x}).load([0, 1, 2], token_budget=64)

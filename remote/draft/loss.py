@@ -53,10 +53,6 @@ class PackedBatch:
             f["aux"], f["last"] = f["aux"].to(dtype), f["last"].to(dtype)
         return PackedBatch(**f, n_tokens=self.n_tokens)
 
-    def pin_memory(self) -> "PackedBatch":
-        """A copy in page-locked memory, so that .to(a GPU) copies without blocking the host."""
-        return PackedBatch(**self._map(torch.Tensor.pin_memory), n_tokens=self.n_tokens)
-
     def _map(self, fn) -> dict:
         """fn of each tensor field that is set (n_tokens and unset ones left out)."""
         return {k: fn(v) for k in self.__dataclass_fields__ if k != "n_tokens" and (v := getattr(self, k)) is not None}
@@ -218,8 +214,12 @@ class TTTObjective(nn.Module):
         weights = step_weights(self.ttt_steps, self.decay)
         loss = torch.zeros((), dtype=torch.float32, device=dev)
         stats = []
+        # Every step's counted rows at once, before the unroll is queued: one wait for the device a micro-batch
+        # (a nonzero per step waited for each step's forward, and the host's launches then lagged the device).
+        per_step = tgt.valid.sum(1).tolist()
+        counted = tgt.valid.nonzero()[:, 1].split(per_step)
         for k, normed in unroll(self.draft, b, self.ttt_steps, attn):
-            rows = tgt.valid[k].nonzero().squeeze(1)
+            rows = counted[k]
             scale = weights[k] / denom[k].clamp(min=1.0)
             w = torch.full((len(rows),), 1.0, device=dev) * scale
             lk, ce, correct = HeadSoftCE.apply(normed, self.draft.lm_head.weight, tgt.logits, rows, (rows + 1 + k),

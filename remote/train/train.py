@@ -325,8 +325,7 @@ class Trainer:
             self.window.check_start(self.step, self.ckpt.root)
 
     def _read(self, step: int) -> list:
-        host = [self.index.load(b, self.cfg.token_budget, self.pad) for b in self._my_batches(step)]
-        return [b.pin_memory() for b in host] if self.cuda else host
+        return [self.index.load(b, self.cfg.token_budget, self.pad, pin=self.cuda) for b in self._my_batches(step)]
 
     def _host_batches(self) -> list:
         """This step's micro-batches on the host (read ahead by the reader thread), and the next step's asked for."""
