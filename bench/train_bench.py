@@ -37,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from remote.draft.config import DraftConfig  # noqa: E402
 from remote.draft.loss import PackedBatch, TargetHead, TTTObjective  # noqa: E402
 from remote.draft.model import EagleDraft  # noqa: E402
-from remote.train.train import optimizer_step  # noqa: E402
+from remote.train.config import TrainOptions  # noqa: E402
+from remote.train.train import build_optimizer, optimizer_step  # noqa: E402
 from remote.train.state import Distributed  # noqa: E402
 
 SHAPES = {  # H, heads, kv heads, head dim, intermediate, target vocab, draft vocab
@@ -53,8 +54,9 @@ SHAPES = {  # H, heads, kv heads, head dim, intermediate, target vocab, draft vo
 PEAK_BF16 = 989e12  # H200 SXM dense bf16, datasheet
 
 
-def draft_config(shape: str) -> DraftConfig:
-    return DraftConfig(**SHAPES[shape], aux_layer_ids=(2, 16, 29), rms_norm_eps=1e-5)
+def draft_config(shape: str, draft_vocab: int = 0) -> DraftConfig:
+    c = {**SHAPES[shape], **({"draft_vocab_size": draft_vocab} if draft_vocab else {})}
+    return DraftConfig(**c, aux_layer_ids=(2, 16, 29), rms_norm_eps=1e-5)
 
 
 def step_flops(c: DraftConfig, tokens: int, doc_len: int, ttt: int) -> float:
@@ -97,11 +99,14 @@ def _target_weights(c: DraftConfig, device, dtype, seed: int = 1):
 
 
 # ----------------------------------------------------------------------------- the two steps
-def eaglet_step(c: DraftConfig, ttt: int, device, train_lm_head: bool, dist: Distributed):
+def eaglet_step(c: DraftConfig, ttt: int, device, train_lm_head: bool, dist: Distributed, optimizer: str = "adamw",
+                norms: bool = False):
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     embed, lm_head, t2d = _target_weights(c, device, dtype)
     torch.manual_seed(0)
+    if norms:  # the recipe's three extra norms (docs/TRAINING.md)
+        c = DraftConfig(**{**c.to_dict(), "norm_before_fc": True, "norm_before_residual": True, "norm_output": True})
     draft = EagleDraft(c)
     draft.embed_tokens.weight = torch.nn.Parameter(embed, requires_grad=False)
     draft.to(device)
@@ -115,7 +120,10 @@ def eaglet_step(c: DraftConfig, ttt: int, device, train_lm_head: bool, dist: Dis
     obj = TTTObjective(draft, ttt, 0.8, "flex" if cuda else "dense", compiled=cuda)
     model = dist.wrap(obj)
     params = [p for p in draft.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=cuda or None)
+    if optimizer == "muon":  # the trainer's own: Muon for the hidden matrices, AdamW beside it
+        opt = build_optimizer(TrainOptions(optimizer="muon"), draft, cuda)
+    else:
+        opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=cuda or None)
 
     def step(batch: PackedBatch):
         stats, _ = optimizer_step(model, head, [batch], opt, params, dist, ttt, 0.5)
@@ -202,7 +210,7 @@ def _sync(device):
 
 def measure(impl: str, shape: str, ttt: int, args, dist: Distributed) -> dict:
     device = dist.device
-    c = draft_config(shape)
+    c = draft_config(shape, args.draft_vocab)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -212,7 +220,7 @@ def measure(impl: str, shape: str, ttt: int, args, dist: Distributed) -> dict:
     if impl == "speculators":
         step, model = speculators_step(c, ttt, device, args.train_lm_head)
     else:  # the trainer's pre-pass: the top-1 check once a sample, then the step reads the flags
-        step, model, head = eaglet_step(c, ttt, device, args.train_lm_head, dist)
+        step, model, head = eaglet_step(c, ttt, device, args.train_lm_head, dist, args.optimizer, args.norms)
         for i in range(2):  # the first pass compiles nothing but warms the matmuls
             _sync(device)
             t = time.perf_counter()
@@ -241,13 +249,16 @@ def measure(impl: str, shape: str, ttt: int, args, dist: Distributed) -> dict:
         _sync(device)
         times.append(time.perf_counter() - t)
     med = statistics.median(times)
+    prof = profile_steps(step, batches, device, args.profile) if args.profile else {}
     flops = step_flops(c, args.tokens, args.doc_len, ttt)
     rec = {"impl": impl, "shape": shape, "ttt": ttt, "tokens": args.tokens, "doc_len": args.doc_len,
            "world": dist.world, "train_lm_head": args.train_lm_head, "first_step_s": round(first, 2),
            "step_s_median": round(med, 5), "step_s_min": round(min(times), 5),
            "tokens_per_s": round(args.tokens / med, 1), "tflops_per_step": round(flops / 1e12, 2),
            "mfu": round(flops / med / PEAK_BF16, 4) if device.type == "cuda" else None,
-           "finite": bool(torch.isfinite(out).all()), **top1}
+           "finite": bool(torch.isfinite(out).all()), **top1, **prof}
+    if impl == "eaglet":
+        rec.update(optimizer=args.optimizer, norms=args.norms, draft_vocab=c.draft_vocab_size)
     if impl != "speculators":  # share of positions the loss counted (step 0), after the top-1 check
         rec["counted_share"] = round(float(out[0, 2]) / args.tokens, 4)
     if device.type == "cuda":
@@ -255,6 +266,27 @@ def measure(impl: str, shape: str, ttt: int, args, dist: Distributed) -> dict:
         rec["gpu"] = torch.cuda.get_device_name()
     del step, model, batches, top1
     return rec
+
+
+def profile_steps(step, batches, device, path: str) -> dict:
+    """4 steps under torch.profiler: the ops' table (by device time, then host time) appended to `path`, and how
+    busy the device was over the steps' wall time (a share well under 1: the host's launches and waits bound it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    _sync(device)
+    with profile(activities=acts) as p:
+        t = time.perf_counter()
+        for i in range(4):
+            step(batches[i % 2])
+        _sync(device)
+        wall = time.perf_counter() - t
+    ka = p.key_averages()
+    busy = sum(e.self_device_time_total for e in ka) / 1e6 if device.type == "cuda" else None
+    with open(path, "a") as f:
+        for key in (["self_cuda_time_total"] if device.type == "cuda" else []) + ["self_cpu_time_total"]:
+            f.write(f"== {key}, 4 steps, {wall:.3f} s\n{ka.table(sort_by=key, row_limit=30)}\n")
+    return {"profiled_wall_s": round(wall, 4), "device_busy_share": round(busy / wall, 3) if busy else None}
 
 
 def check_flex_against_dense(device) -> dict:
@@ -290,6 +322,11 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps after the first")
     ap.add_argument("--train-lm-head", action="store_true", help="train lm_head (speculators 0.9.0 keeps it frozen)")
     ap.add_argument("--check", action="store_true", help="first compare flex and dense attention on the GPU")
+    ap.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
+                    help="eaglet's optimiser: AdamW (what speculators is compared with) or the trainer's Muon + AdamW")
+    ap.add_argument("--norms", action="store_true", help="eaglet's draft with the recipe's three extra norms")
+    ap.add_argument("--draft-vocab", type=int, default=0, help="draft vocabulary size (0: the shape's)")
+    ap.add_argument("--profile", default="", help="also profile 4 steps (torch.profiler): tables into this file")
     ap.add_argument("--out", default="", help="append one JSON line a result here")
     args = ap.parse_args(argv)
     dist = Distributed.from_env("auto")
