@@ -433,6 +433,23 @@ def test_a_deadline_counts_the_checkpoints_still_to_come(one_token, tmp_path):
     assert took <= 6.0 + cut[0]["step_s"], cut
 
 
+def test_a_deadline_paces_the_steps_without_the_evaluations_among_them(one_token, tmp_path):
+    """An evaluation every 5 steps, the first slowed by 2 s (on a GPU the first one compiles), before the pace is
+    taken: the pace is the steps' own, so the run still uses most of its deadline (counting the evaluation in the
+    pace made a 0.1-s step look like ~0.35 s and the run end far short of it)."""
+    cfg = {**one_token, "lr": 3e-3, "weight_decay": 0.01, "warmup_steps": 1, "max_steps": 0, "epochs": 10.0,
+           "eval_every": 5, "patience": 0, "max_seconds": 6.0, "out_dir": str(tmp_path / "o")}
+    t = _trainer(cfg, tmp_path / "s")
+    step, evaluate = t.train_step, t.evaluate
+    t.train_step = lambda: (time.sleep(0.1), step())[1]
+    t.evaluate = lambda: (time.sleep(0 if t.evaluated else 2.0), evaluate())[1]
+    t.run()
+    took = time.perf_counter() - t.t0
+    cut = [r["deadline"] for r in t.history if "deadline" in r]
+    assert len(cut) == 1 and [r["step"] for r in t.history if "heldout" in r][0] == 5
+    assert cut[0]["step_s"] < 0.2 and 4.5 < took <= 6.0 + cut[0]["step_s"], cut
+
+
 @pytest.mark.slow
 def test_two_gloo_processes_meet_a_deadline_at_the_same_step(one_token, tmp_path):
     """Each rank times its own steps: they decide together (their readiness all-reduced) and take the smallest
