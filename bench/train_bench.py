@@ -271,6 +271,7 @@ def measure(impl: str, shape: str, ttt: int, args, dist: Distributed) -> dict:
 def profile_steps(step, batches, device, path: str) -> dict:
     """4 steps under torch.profiler: the ops' table (by device time, then host time) appended to `path`, and how
     busy the device was over the steps' wall time (a share well under 1: the host's launches and waits bound it)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -282,11 +283,15 @@ def profile_steps(step, batches, device, path: str) -> dict:
         _sync(device)
         wall = time.perf_counter() - t
     ka = p.key_averages()
-    busy = sum(e.self_device_time_total for e in ka) / 1e6 if device.type == "cuda" else None
+    # the device's own events (kernels, copies), each once: the table's rows also give host ops and annotations
+    # (Optimizer.step) the device time of their kernels, so a sum over them counts kernels twice or more
+    busy = sum(e.time_range.elapsed_us() for e in p.events() if e.device_type == DeviceType.CUDA) / 1e6
+    launches = sum(1 for e in p.events() if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
     with open(path, "a") as f:
         for key in (["self_cuda_time_total"] if device.type == "cuda" else []) + ["self_cpu_time_total"]:
             f.write(f"== {key}, 4 steps, {wall:.3f} s\n{ka.table(sort_by=key, row_limit=30)}\n")
-    return {"profiled_wall_s": round(wall, 4), "device_busy_share": round(busy / wall, 3) if busy else None}
+    return {"profiled_wall_s": round(wall, 4), "device_busy_share": round(busy / wall, 3) if busy else None,
+            "launches_per_step": launches / 4}
 
 
 def check_flex_against_dense(device) -> dict:
