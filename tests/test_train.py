@@ -390,6 +390,20 @@ def test_a_step_that_raises_shuts_the_read_ahead_thread_down(inputs, tmp_path):
     assert t._next is not None and not reader.is_alive()
 
 
+def test_a_compiled_run_says_what_compiling_cost(inputs, tmp_path, capsys):
+    """compile "yes" on the CPU (on a GPU it is the default): the first step's log line and the run's figures give
+    the seconds spent compiling and the graphs compiled (a cold compile cost minutes of a 10-minute run on the H200)."""
+    t = _trainer({**inputs, "compile": "yes", "eval_tokens": 0, "max_steps": 2, "out_dir": str(tmp_path / "o")},
+                 tmp_path / "s")
+    figures = t.run()
+    assert figures["compiled_graphs"] >= 2 and 0 < figures["compile_seconds"] < figures["train_seconds"]
+    first = [ln for ln in capsys.readouterr().out.splitlines() if "the first step took" in ln]
+    assert len(first) == 1 and "compiling" in first[0], first
+    plain = _trainer({**inputs, "compile": "no", "eval_tokens": 0, "max_steps": 1, "out_dir": str(tmp_path / "p")},
+                     tmp_path / "q").run()
+    assert "compile_seconds" not in plain
+
+
 def test_a_deadline_cuts_the_budget_to_the_steps_that_fit_and_a_resume_keeps_the_cut(one_token, tmp_path):
     """max_seconds: 10 epochs planned, each step slowed by 100 ms (a bigger draft's pace; the tiny one's steps take
     10-50 ms here, more on a loaded machine): the run is cut once to what fits, held-out evaluations counted, ends

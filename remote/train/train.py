@@ -387,16 +387,20 @@ class Trainer:
         for node, n in self.dist.gather_objects((self.cfg.node_rank, self.my_tokens)):
             by_node[str(node)] = by_node.get(str(node), 0) + n
         return {"tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0, "train_seconds": elapsed,
-                "tokens_by_node": by_node}
+                "tokens_by_node": by_node, **(compile_figures() if self.compiled else {})}
 
     def _steps(self) -> int:
         """Train to end_step (or an early stop), evaluating, logging and checkpointing as the config asks; the
         tokens trained."""
-        tokens = 0
+        tokens, first = 0, self.step + 1
         while self.step < self.end_step and not self.stopped_early:
             if not self.met:
                 self.paced.append(time.perf_counter())
             rec = self.train_step()
+            if self.compiled and rec["step"] == first:  # a cold compile costs minutes on a GPU host
+                c = compile_figures()
+                log(f"train: the first step took {rec['seconds']:.1f} s, compiling {c['compile_seconds']:.1f} s of it "
+                    f"({c['compiled_graphs']} graphs)")
             t = time.perf_counter()
             self._evaluate_now(rec)
             if not self.met and len(self.paced) > 2:  # the pace is the steps' own: evaluations are counted apart
@@ -473,6 +477,16 @@ class Trainer:
         if not self.cfg.patience or best is None:
             return False
         return sum(1 for r in self.history if "heldout" in r and r["step"] > best["step"]) >= self.cfg.patience
+
+
+def compile_figures() -> dict:
+    """This process's torch.compile so far: seconds compiling (dynamo's own count, inductor's code generation and
+    the kernels' builds included) and graphs compiled."""
+    from torch._dynamo.utils import compile_times, counters
+
+    names, seconds = compile_times(repr="csv", aggregate=True)
+    total = dict(zip(names, seconds)).get("_compile.compile_inner", 0)
+    return {"compile_seconds": round(float(total), 2), "compiled_graphs": int(counters["stats"]["unique_graphs"])}
 
 
 def best_eval(history: list[dict]) -> dict | None:
