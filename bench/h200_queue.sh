@@ -1,5 +1,5 @@
 #!/bin/bash
-# The H200 session's queue (2026-12-04): issue 12's 10-minute arm on the data of record (every clean ShareGPT
+# The H200 queue (since 2026-12-04): issue 12's 10-minute arm on the data of record (every clean ShareGPT
 # conversation cut to 1,024 tokens, as measured before), then the same arm on the same conversations prepared at
 # the prepare step's default max_length, 2,048 (53% of the samples were cut at 1,024). Results into /root/qb/res.
 # Started detached (setsid) by a device call, so no call's 10-minute limit cuts a job; later calls wait on
@@ -24,10 +24,10 @@ open('/root/qb/model_dir','w').write(str(m))
 M=$(cat /root/qb/model_dir)
 echo "converted $(date +%s) $M"
 for cut in ${*:-1024:/root/qb/a 2048:/root/qb/d}; do  # arguments: CUT:FOLDER of data.parquet ...
-    n=${cut%%:*}
+    n=${cut%%:*}-$(date +%s)  # a fresh work folder and results folder each run (a finished train folder refuses a rerun)
     timeout 700 python3 bench/quality_bench.py --model-dir $M --prepared ${cut#*:}/data.parquet --arms ten-minutes \
         --cache-root /dev/shm/q$n --work /root/qb/work$n --out $R/q$n
-    echo "ten-minutes $n rc=$? $(date +%s)"
+    echo "ten-minutes $n rc=$? $(date +%s) -> $R/q$n"
     rm -rf /dev/shm/q$n
 done
 touch /root/qb/done
