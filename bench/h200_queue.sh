@@ -28,6 +28,9 @@ for cut in ${*:-1024:/root/qb/a 2048:/root/qb/d}; do  # arguments: CUT:FOLDER of
     timeout 700 python3 bench/quality_bench.py --model-dir $M --prepared ${cut#*:}/data.parquet --arms ten-minutes \
         --cache-root /dev/shm/q$n --work /root/qb/work$n --out $R/q$n
     echo "ten-minutes $n rc=$? $(date +%s) -> $R/q$n"
+    W=/root/qb/work$n/ten-minutes  # beside the results: the profile, the loss curve, the trainer's own account of its time
+    cp $W/train/profile.txt $W/train/loss.jsonl $R/q$n/ 2>/dev/null
+    grep -h "first step\|max_seconds\|profiled\|top-1" $W/train.log > $R/q$n/train-notes.log 2>/dev/null
     rm -rf /dev/shm/q$n
 done
 touch /root/qb/done

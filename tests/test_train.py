@@ -404,6 +404,17 @@ def test_a_compiled_run_says_what_compiling_cost(inputs, tmp_path, capsys):
     assert "compile_seconds" not in plain
 
 
+def test_profile_steps_writes_the_ops_of_those_steps(inputs, tmp_path):
+    """profile_steps: the steps from the third on, profiled, their ops by host time in profile.txt; a run that ends
+    first writes what it profiled."""
+    for steps, profile, want in ((6, 3, "== steps 3-5 "), (4, 5, "== steps 3-4 ")):
+        stage = tmp_path / f"s{steps}"
+        _trainer({**inputs, "eval_tokens": 0, "max_steps": steps, "profile_steps": profile,
+                  "out_dir": str(tmp_path / f"o{steps}")}, stage).run()
+        text = (stage / "profile.txt").read_text()
+        assert text.startswith(want) and "by self_cpu_time_total" in text and "aten::mm" in text, text[:300]
+
+
 def test_a_deadline_cuts_the_budget_to_the_steps_that_fit_and_a_resume_keeps_the_cut(one_token, tmp_path):
     """max_seconds: 10 epochs planned, each step slowed by 100 ms (a bigger draft's pace; the tiny one's steps take
     10-50 ms here, more on a loaded machine): the run is cut once to what fits, held-out evaluations counted, ends

@@ -66,7 +66,8 @@ STEP = "train"
 
 
 # Settings a resumed run may change: they decide what is logged and kept, not what is trained.
-RESUMABLE_CHANGES = ("checkpoint_every", "keep_checkpoints", "log_every", "rdzv_endpoint", "local_addr")
+RESUMABLE_CHANGES = ("checkpoint_every", "keep_checkpoints", "log_every", "profile_steps", "rdzv_endpoint",
+                     "local_addr")
 # ... and what a run in windows changes from one window to the next (the window's capture, its step folder)
 WINDOW_CHANGES = ("window", "capture_dir", "out_dir")
 
@@ -393,10 +394,15 @@ class Trainer:
         """Train to end_step (or an early stop), evaluating, logging and checkpointing as the config asks; the
         tokens trained."""
         tokens, first = 0, self.step + 1
+        profiled = Profiled(self.cfg.profile_steps, first + 2, self.dist, self.stage) if self.cfg.profile_steps else None
         while self.step < self.end_step and not self.stopped_early:
             if not self.met:
                 self.paced.append(time.perf_counter())
+            if profiled:
+                profiled.before(self.step + 1)
             rec = self.train_step()
+            if profiled:
+                profiled.after(self.step)
             if self.compiled and rec["step"] == first:  # a cold compile costs minutes on a GPU host
                 c = compile_figures()
                 log(f"train: the first step took {rec['seconds']:.1f} s, compiling {c['compile_seconds']:.1f} s of it "
@@ -419,6 +425,8 @@ class Trainer:
                 self.saves += 1
                 if self.dist.local_rank == 0:
                     emit("checkpoint", step=self.step, path=str(path))
+        if profiled:
+            profiled.after(self.step, last=True)
         return tokens
 
     def _meet_deadline(self, rec: dict) -> None:
@@ -477,6 +485,41 @@ class Trainer:
         if not self.cfg.patience or best is None:
             return False
         return sum(1 for r in self.history if "heldout" in r and r["step"] > best["step"]) >= self.cfg.patience
+
+
+class Profiled:
+    """torch.profiler over `steps` steps from step `start` (numbered from 1): the ops by device time, then by host
+    time, written to profile.txt in `folder` (profile.rank<N>.txt for other ranks) when the last one ends."""
+
+    def __init__(self, steps: int, start: int, dist: Distributed, folder: Path):
+        self.steps, self.start, self.dist, self.folder = steps, start, dist, folder
+        self.prof, self.t0 = None, 0.0
+
+    def before(self, step: int) -> None:
+        if step == self.start:
+            from torch.profiler import ProfilerActivity, profile
+
+            cuda = self.dist.device.type == "cuda"
+            self.prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+            self.prof.__enter__()
+            self.t0 = time.perf_counter()
+
+    def after(self, step: int, last: bool = False) -> None:
+        """After step `step`; `last`: the run ends here (a shorter run writes what it profiled)."""
+        if self.prof is None or (step < self.start + self.steps - 1 and not last):
+            return
+        if self.dist.device.type == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - self.t0
+        self.prof.__exit__(None, None, None)
+        ka, keys = self.prof.key_averages(), ["self_cpu_time_total"]
+        if self.dist.device.type == "cuda":
+            keys.insert(0, "self_cuda_time_total")
+        name = "profile.txt" if self.dist.rank == 0 else f"profile.rank{self.dist.rank}.txt"
+        (self.folder / name).write_text("".join(
+            f"== steps {self.start}-{step} ({wall:.3f} s), by {k}\n{ka.table(sort_by=k, row_limit=40)}\n" for k in keys))
+        log(f"train: steps {self.start}-{step} profiled ({wall:.3f} s): {self.folder / name}")
+        self.prof = None
 
 
 def compile_figures() -> dict:
