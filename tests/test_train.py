@@ -413,6 +413,15 @@ def test_profile_steps_writes_the_ops_of_those_steps(inputs, tmp_path):
                   "out_dir": str(tmp_path / f"o{steps}")}, stage).run()
         text = (stage / "profile.txt").read_text()
         assert text.startswith(want) and "by self_cpu_time_total" in text and "aten::mm" in text, text[:300]
+    # with a deadline the profiled steps (slower) come after its pace is taken
+    t = _trainer({**inputs, "eval_tokens": 0, "max_steps": 0, "epochs": 10.0, "max_seconds": 3.0, "profile_steps": 2,
+                  "out_dir": str(tmp_path / "od")}, tmp_path / "sd")
+    step = t.train_step
+    t.train_step = lambda: (time.sleep(0.05), step())[1]
+    t.run()
+    cut = [r["step"] for r in t.history if "deadline" in r]
+    first = int((tmp_path / "sd" / "profile.txt").read_text().split()[2].split("-")[0])
+    assert len(cut) == 1 and first == cut[0] + 1, (cut, first)
 
 
 def test_a_deadline_cuts_the_budget_to_the_steps_that_fit_and_a_resume_keeps_the_cut(one_token, tmp_path):

@@ -124,8 +124,8 @@ class TrainOptions(Checked):
     log_every: int = bounded(1, ge=1)
     """emit a train event every this many steps"""
     profile_steps: int = bounded(0, ge=0)
-    """profile this many steps, from the third on (torch.profiler: the ops by device time, then host time, into
-    profile.txt, profile.rank<N>.txt beside it for other ranks); 0: none"""
+    """profile this many steps, from the third on, with max_seconds once the deadline's cut is made (torch.profiler:
+    the ops by device time, then host time, into profile.txt, profile.rank<N>.txt beside it for other ranks); 0: none"""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -399,7 +399,7 @@ class Trainer:
             if not self.met:
                 self.paced.append(time.perf_counter())
             if profiled:
-                profiled.before(self.step + 1)
+                profiled.before(self.step + 1, ready=self.met)
             rec = self.train_step()
             if profiled:
                 profiled.after(self.step)
@@ -488,25 +488,26 @@ class Trainer:
 
 
 class Profiled:
-    """torch.profiler over `steps` steps from step `start` (numbered from 1): the ops by device time, then by host
-    time, written to profile.txt in `folder` (profile.rank<N>.txt for other ranks) when the last one ends."""
+    """torch.profiler over `steps` steps, from the first step at or after `start` (numbered from 1) that is `ready`
+    (a run with a deadline profiles once its pace is taken: profiled steps are slower); the ops by device time, then
+    by host time, written to profile.txt in `folder` (profile.rank<N>.txt for other ranks) when the last one ends."""
 
     def __init__(self, steps: int, start: int, dist: Distributed, folder: Path):
         self.steps, self.start, self.dist, self.folder = steps, start, dist, folder
-        self.prof, self.t0 = None, 0.0
+        self.prof, self.first, self.t0 = None, 0, 0.0
 
-    def before(self, step: int) -> None:
-        if step == self.start:
+    def before(self, step: int, ready: bool) -> None:
+        if not self.first and step >= self.start and ready:
             from torch.profiler import ProfilerActivity, profile
 
             cuda = self.dist.device.type == "cuda"
             self.prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
             self.prof.__enter__()
-            self.t0 = time.perf_counter()
+            self.first, self.t0 = step, time.perf_counter()
 
     def after(self, step: int, last: bool = False) -> None:
         """After step `step`; `last`: the run ends here (a shorter run writes what it profiled)."""
-        if self.prof is None or (step < self.start + self.steps - 1 and not last):
+        if self.prof is None or (step < self.first + self.steps - 1 and not last):
             return
         if self.dist.device.type == "cuda":
             torch.cuda.synchronize()
@@ -517,8 +518,8 @@ class Profiled:
             keys.insert(0, "self_cuda_time_total")
         name = "profile.txt" if self.dist.rank == 0 else f"profile.rank{self.dist.rank}.txt"
         (self.folder / name).write_text("".join(
-            f"== steps {self.start}-{step} ({wall:.3f} s), by {k}\n{ka.table(sort_by=k, row_limit=40)}\n" for k in keys))
-        log(f"train: steps {self.start}-{step} profiled ({wall:.3f} s): {self.folder / name}")
+            f"== steps {self.first}-{step} ({wall:.3f} s), by {k}\n{ka.table(sort_by=k, row_limit=40)}\n" for k in keys))
+        log(f"train: steps {self.first}-{step} profiled ({wall:.3f} s): {self.folder / name}")
         self.prof = None
 
 
