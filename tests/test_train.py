@@ -392,7 +392,9 @@ def test_a_step_that_raises_shuts_the_read_ahead_thread_down(inputs, tmp_path):
 
 def test_a_compiled_run_says_what_compiling_cost(inputs, tmp_path, capsys):
     """compile "yes" on the CPU (on a GPU it is the default): the first step's log line and the run's figures give
-    the seconds spent compiling and the graphs compiled (a cold compile cost minutes of a 10-minute run on the H200)."""
+    the seconds spent compiling and the graphs compiled (a cold compile cost minutes of a 10-minute run on the H200).
+    dynamo's caches are reset first, as in the trainer's own fresh process (what other tests compiled is not counted)."""
+    torch._dynamo.reset()
     t = _trainer({**inputs, "compile": "yes", "eval_tokens": 0, "max_steps": 2, "out_dir": str(tmp_path / "o")},
                  tmp_path / "s")
     figures = t.run()

@@ -81,6 +81,7 @@ class Trainer:
         self.cfg, self.dist, self.stage = cfg, dist, stage
         self.cuda = dist.device.type == "cuda"
         self.compiled = cfg.compile == "yes" or (cfg.compile == "auto" and self.cuda)
+        self.compiled_before = compile_figures() if self.compiled else {}  # the process's own counts are since it began
         self.amp = cfg.precision == "bf16" or (cfg.precision == "auto" and self.cuda)  # bf16 autocast
         self.dtype = torch.bfloat16 if self.amp else torch.float32  # of the states fed to the draft
         # Compiled, every new batch length is a new graph (~30 s each on an H200: a real run of
@@ -388,7 +389,7 @@ class Trainer:
         for node, n in self.dist.gather_objects((self.cfg.node_rank, self.my_tokens)):
             by_node[str(node)] = by_node.get(str(node), 0) + n
         return {"tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0, "train_seconds": elapsed,
-                "tokens_by_node": by_node, **(compile_figures() if self.compiled else {})}
+                "tokens_by_node": by_node, **(compile_figures(self.compiled_before) if self.compiled else {})}
 
     def _steps(self) -> int:
         """Train to end_step (or an early stop), evaluating, logging and checkpointing as the config asks; the
@@ -404,7 +405,7 @@ class Trainer:
             if profiled:
                 profiled.after(self.step)
             if self.compiled and rec["step"] == first:  # a cold compile costs minutes on a GPU host
-                c = compile_figures()
+                c = compile_figures(self.compiled_before)
                 log(f"train: the first step took {rec['seconds']:.1f} s, compiling {c['compile_seconds']:.1f} s of it "
                     f"({c['compiled_graphs']} graphs)")
             t = time.perf_counter()
@@ -523,14 +524,17 @@ class Profiled:
         self.prof = None
 
 
-def compile_figures() -> dict:
-    """This process's torch.compile so far: seconds compiling (dynamo's own count, inductor's code generation and
-    the kernels' builds included) and graphs compiled."""
+def compile_figures(since: dict | None = None) -> dict:
+    """This process's torch.compile so far, or since the figures `since`: seconds compiling (dynamo's own count,
+    inductor's code generation and the kernels' builds included) and graphs compiled."""
     from torch._dynamo.utils import compile_times, counters
 
     names, seconds = compile_times(repr="csv", aggregate=True)
-    total = dict(zip(names, seconds)).get("_compile.compile_inner", 0)
-    return {"compile_seconds": round(float(total), 2), "compiled_graphs": int(counters["stats"]["unique_graphs"])}
+    now = {"compile_seconds": float(dict(zip(names, seconds)).get("_compile.compile_inner", 0)),
+           "compiled_graphs": int(counters["stats"]["unique_graphs"])}
+    since = since or {}
+    return {"compile_seconds": round(now["compile_seconds"] - since.get("compile_seconds", 0.0), 2),
+            "compiled_graphs": now["compiled_graphs"] - since.get("compiled_graphs", 0)}
 
 
 def best_eval(history: list[dict]) -> dict | None:
