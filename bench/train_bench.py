@@ -38,7 +38,7 @@ from remote.draft.config import DraftConfig  # noqa: E402
 from remote.draft.loss import PackedBatch, TargetHead, TTTObjective  # noqa: E402
 from remote.draft.model import EagleDraft  # noqa: E402
 from remote.train.config import TrainOptions  # noqa: E402
-from remote.train.train import build_optimizer, optimizer_step  # noqa: E402
+from remote.train.train import build_optimizer, optimizer_step, profile_tables  # noqa: E402
 from remote.train.state import Distributed  # noqa: E402
 
 SHAPES = {  # H, heads, kv heads, head dim, intermediate, target vocab, draft vocab
@@ -282,14 +282,12 @@ def profile_steps(step, batches, device, path: str) -> dict:
             step(batches[i % 2])
         _sync(device)
         wall = time.perf_counter() - t
-    ka = p.key_averages()
     # the device's own events (kernels, copies), each once: the table's rows also give host ops and annotations
     # (Optimizer.step) the device time of their kernels, so a sum over them counts kernels twice or more
     busy = sum(e.time_range.elapsed_us() for e in p.events() if e.device_type == DeviceType.CUDA) / 1e6
     launches = sum(1 for e in p.events() if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
     with open(path, "a") as f:
-        for key in (["self_cuda_time_total"] if device.type == "cuda" else []) + ["self_cpu_time_total"]:
-            f.write(f"== {key}, 4 steps, {wall:.3f} s\n{ka.table(sort_by=key, row_limit=30)}\n")
+        f.write(profile_tables(p, device.type == "cuda", f"4 steps, {wall:.3f} s"))
     return {"profiled_wall_s": round(wall, 4), "device_busy_share": round(busy / wall, 3) if busy else None,
             "launches_per_step": launches / 4}
 

@@ -98,7 +98,8 @@ class CaptureIndex:
         lengths = [len(row["input_ids"]) for row in rows]
         t = sum(lengths)
         n = t + (-t) % pad_multiple  # padding rows: their own sample id, no loss; only so compiled kernels see few shapes
-        out = {k: _packed([row[k] for row in rows], n, pin) for k in keys}
+        # the states (nearly all the bytes) page-locked where they are packed; the rest changes dtype first
+        out = {k: _packed([row[k] for row in rows], n, pin and k in ("hidden_states", "last_hidden_state")) for k in keys}
         doc = torch.full((n,), len(lengths), dtype=torch.long)
         doc[:t] = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
         positions = torch.arange(n)

@@ -514,14 +514,18 @@ class Profiled:
             torch.cuda.synchronize()
         wall = time.perf_counter() - self.t0
         self.prof.__exit__(None, None, None)
-        ka, keys = self.prof.key_averages(), ["self_cpu_time_total"]
-        if self.dist.device.type == "cuda":
-            keys.insert(0, "self_cuda_time_total")
         name = "profile.txt" if self.dist.rank == 0 else f"profile.rank{self.dist.rank}.txt"
-        (self.folder / name).write_text("".join(
-            f"== steps {self.first}-{step} ({wall:.3f} s), by {k}\n{ka.table(sort_by=k, row_limit=40)}\n" for k in keys))
+        (self.folder / name).write_text(profile_tables(self.prof, self.dist.device.type == "cuda",
+                                                       f"steps {self.first}-{step} ({wall:.3f} s)"))
         log(f"train: steps {self.first}-{step} profiled ({wall:.3f} s): {self.folder / name}")
         self.prof = None
+
+
+def profile_tables(prof, cuda: bool, title: str) -> str:
+    """A torch.profiler run's ops by device time (on a GPU), then by host time, 40 rows each, under `title`."""
+    ka = prof.key_averages()
+    keys = (["self_cuda_time_total"] if cuda else []) + ["self_cpu_time_total"]
+    return "".join(f"== {title}, by {k}\n{ka.table(sort_by=k, row_limit=40)}\n" for k in keys)
 
 
 def compile_figures(since: dict | None = None) -> dict:
