@@ -5,6 +5,10 @@
 # Started detached (setsid) by a device call, so no call's 10-minute limit cuts a job; later calls wait on
 # /root/qb/done.
 #
+# BUDGET=S (seconds instead of the arm's 600) and RESERVE=S (for export and evaluate, default 60) in the environment
+# make an arm fit one device call (convert ~41 s + the arm + copying under 600 s): no call has to come back in
+# time to collect it (a chain of calls broken for longer than the machine stays warm lost a whole run on 2026-12-04).
+#
 # Before it, on the device: /root/qb/a (PACK/a: data.parquet at 1,024, gguf.part-1), /root/qb/smollm2.gguf
 # (gguf.part-1 + PACK/b/gguf.part-2), /root/qb/d/data.parquet (`bench/eval_bench.py --pack D --conversations 0
 # --dtype bfloat16 --max-length 2048`'s data.parquet), the gguf wheel in /root/site, this tree in /root/eaglet.
@@ -26,10 +30,10 @@ echo "converted $(date +%s) $M"
 for cut in ${*:-1024:/root/qb/a 2048:/root/qb/d}; do  # arguments: CUT:FOLDER of data.parquet ...
     n=${cut%%:*}-$(date +%s)  # a fresh work folder and results folder each run (a finished train folder refuses a rerun)
     timeout 700 python3 bench/quality_bench.py --model-dir $M --prepared ${cut#*:}/data.parquet --arms ten-minutes \
-        --cache-root /dev/shm/q$n --work /root/qb/work$n --out $R/q$n
+        --cache-root /dev/shm/q$n --work /root/qb/work$n --out $R/q$n ${BUDGET:+--budget-s $BUDGET} ${RESERVE:+--reserve-s $RESERVE}
     echo "ten-minutes $n rc=$? $(date +%s) -> $R/q$n"
     W=/root/qb/work$n/ten-minutes  # beside the results: the profile, the loss curve, the trainer's own account of its time
-    cp $W/train/profile.txt $W/train/loss.jsonl $R/q$n/ 2>/dev/null
+    for d in $W/train $W/train.partial; do cp $d/profile.txt $d/loss.jsonl $R/q$n/ 2>/dev/null; done  # partial: cut off
     grep -h "first step\|max_seconds\|profiled\|top-1" $W/train.log > $R/q$n/train-notes.log 2>/dev/null
     rm -rf /dev/shm/q$n
 done

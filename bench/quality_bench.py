@@ -356,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--startup-s", type=float, default=10,
                     help="budget arms: the train step's seconds before the trainer's clock starts (the interpreter, imports)")
     ap.add_argument("--reserve-s", type=float, default=60, help="budget arms: seconds kept for export and evaluate")
+    ap.add_argument("--budget-s", type=float, default=0,
+                    help="budget arms: this many seconds instead of the arm's budget_seconds (a run that must fit a call)")
     ap.add_argument("--smoke", action="store_true", help="CPU dress rehearsal: tiny random target, few rows")
     ap.add_argument("--unpack", nargs=2, metavar=("TAR", "DEST"), help="only make a kept draft whole (with --model-dir)")
     ap.add_argument("--check", action="store_true", help="only check the arms' settings against their configs")
@@ -374,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.smoke:
         a.subset_rows, a.draft_vocab_size, a.capture_tokens = 24, 1024, 4096
     arms = [x for x in arms_of("smoke" if a.smoke else a.arms) if not a.only or x["name"] in a.only]
+    if a.budget_s:
+        arms = [{**x, "budget_seconds": a.budget_s} if "budget_seconds" in x else x for x in arms]
     check_arms(arms)
     model = target_model(a, work)
     cut = dict(max_tokens=256, min_heldout=3) if a.smoke else {}
