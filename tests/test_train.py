@@ -7,6 +7,7 @@ import json
 import math
 import re
 import signal
+import statistics
 import time
 from pathlib import Path
 
@@ -483,7 +484,8 @@ def test_a_deadline_paces_the_steps_without_the_evaluations_among_them(one_token
     took = time.perf_counter() - t.t0
     cut = [r["deadline"] for r in t.history if "deadline" in r]
     assert len(cut) == 1 and [r["step"] for r in t.history if "heldout" in r][0] == 5
-    assert cut[0]["step_s"] < 0.2 and 4.5 < took <= 6.0 + cut[0]["step_s"], cut
+    own = 0.1 + statistics.median(r["seconds"] for r in t.history)  # the sleep and the step, on however busy a machine
+    assert cut[0]["step_s"] < 1.5 * own and 4.5 < took <= 6.0 + cut[0]["step_s"], (cut, own)
 
 
 @pytest.mark.slow
