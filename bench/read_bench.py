@@ -11,6 +11,13 @@ step read in a thread while this one "trains", where training a step is a GPU wa
 seconds (bench/train_bench.py's measured step time of the shape: pass it), or by default a wait as long
 as the read itself (the case where hiding it pays most). Reports each loop's seconds a step and their
 ratio (how much faster a step gets when its read is hidden).
+
+    .venv/bin/python bench/read_bench.py --shape smollm2 --host-bound --steps 30 --out r.jsonl
+
+--host-bound measures what that model leaves out: a small draft's step is bound by the host launching its
+kernels, so the main thread is busy, not waiting, while the reader runs. The "step" is then `--launches` tiny
+torch ops on the host, timed alone, beside a read in a thread (the trainer's way) and beside the same read in a
+worker process; the thread's extra over the process is what the two threads' turns at the GIL cost the step.
 """
 from __future__ import annotations
 
@@ -97,6 +104,57 @@ def measure(shape: str, args, device) -> dict:
             "device": torch.cuda.get_device_name() if cuda else "cpu"}
 
 
+def host_bound(shape: str, args) -> dict:
+    """A host-bound step (--launches tiny ops on the main thread) alone, with the next step's read in a thread, and
+    with it in a worker process (forked before any step: no GIL shared), interleaved over --steps rounds."""
+    import multiprocessing as mp
+
+    torch.set_num_threads(1)  # one thread, as a launching host's; and a fork after a pool of threads can hang
+    hidden = SHAPES[shape]["hidden_size"]
+    index = CaptureIndex.build(synthetic_capture(Path(args.dir) / shape, hidden, args.samples, args.doc_len))
+    plan = pack(index.lengths, args.tokens, epoch_order(len(index.refs), 0, 0))
+    x = torch.ones(4)
+
+    def read(i: int):
+        return index.load(plan[i % len(plan)], args.tokens, args.tokens)
+
+    def step() -> float:
+        t = time.perf_counter()
+        for _ in range(args.launches):
+            x.add_(1)
+        return time.perf_counter() - t
+
+    todo, done = mp.get_context("fork").Queue(), mp.get_context("fork").Queue()
+    worker = mp.get_context("fork").Process(target=_read_worker, args=(read, todo, done), daemon=True)
+    worker.start()
+    reads, times = [], {"alone": [], "thread": [], "process": []}
+    with ThreadPoolExecutor(1) as pool:
+        for i in range(args.steps):
+            t = time.perf_counter()
+            read(i)
+            reads.append(time.perf_counter() - t)
+            times["alone"].append(step())
+            ahead = pool.submit(read, i)
+            times["thread"].append(step())
+            ahead.result()
+            todo.put(i)
+            times["process"].append(step())
+            done.get()
+    todo.put(None)
+    worker.join()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"shape": shape, "tokens": args.tokens, "launches": args.launches, "read_s": round(statistics.median(reads), 4),
+            **{f"step_{k}_s": round(v, 5) for k, v in med.items()},
+            "thread_cost_s": round(med["thread"] - med["alone"], 5), "process_cost_s": round(med["process"] - med["alone"], 5),
+            "torch_threads": torch.get_num_threads(), "device": "cpu"}
+
+
+def _read_worker(read, todo, done) -> None:
+    while (i := todo.get()) is not None:
+        read(i)
+        done.put(i)
+
+
 def _cycles_per_s() -> float:
     """GPU clock cycles a second, for torch.cuda._sleep (a busy device without a workload's kernels)."""
     torch.cuda.synchronize()
@@ -115,11 +173,14 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--step-s", type=float, default=0.0, help="seconds a training step keeps the device busy")
     ap.add_argument("--dir", default="/tmp/read-bench", help="where the synthetic captures go (/dev/shm on a GPU host)")
+    ap.add_argument("--host-bound", action="store_true",
+                    help="the step is the host launching --launches tiny ops: the read in a thread against a process")
+    ap.add_argument("--launches", type=int, default=3000, help="--host-bound: tiny torch ops a step")
     ap.add_argument("--out", default="", help="append one JSON line a shape here")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     for shape in args.shape:
-        rec = measure(shape, args, device)
+        rec = host_bound(shape, args) if args.host_bound else measure(shape, args, device)
         print(json.dumps(rec), flush=True)
         if args.out:
             with open(args.out, "a") as f:
