@@ -5,7 +5,7 @@
 # Started detached (setsid) by a device call, so no call's 10-minute limit cuts a job; later calls wait on
 # /root/qb/done.
 #
-# BUDGET=S (seconds instead of the arm's 600) and RESERVE=S (for export and evaluate, default 60) in the environment
+# BUDGET=S (seconds instead of the arm's 600) and RESERVE=S (for export and evaluate, default 45) in the environment
 # make an arm fit one device call (convert ~41 s + the arm + copying under 600 s): no call has to come back in
 # time to collect it (a chain of calls broken for longer than the machine stays warm lost a whole run on 2026-12-04).
 #
