@@ -6,8 +6,10 @@
 # /root/qb/done.
 #
 # BUDGET=S (seconds instead of the arm's 600) and RESERVE=S (for export and evaluate, default 45) in the environment
-# make an arm fit one device call (convert ~41 s + the arm + copying under 600 s): no call has to come back in
-# time to collect it (a chain of calls broken for longer than the machine stays warm lost a whole run on 2026-12-04).
+# make an arm fit one device call, so no later call has to come back in time to collect it (a chain of calls broken
+# for longer than the machine stays warm lost a whole run on 2026-12-04). The conversion (~41 s) is done once: a
+# call `bash bench/h200_queue.sh none` only converts; the next, at once, runs in the foreground
+# `BUDGET=575 bash bench/h200_queue.sh 1024:/root/qb/a` and copies /root/qb/res/q1024-*/ to $OUT.
 #
 # Before it, on the device: /root/qb/a (PACK/a: data.parquet at 1,024, gguf.part-1), /root/qb/smollm2.gguf
 # (gguf.part-1 + PACK/b/gguf.part-2), /root/qb/d/data.parquet (`bench/eval_bench.py --pack D --conversations 0
@@ -16,7 +18,7 @@ export PYTHONPATH=/root/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 cd /root/eaglet
 R=/root/qb/res; mkdir -p $R
 echo "start $(date +%s)"
-python3 -c "
+[ -s /root/qb/model_dir ] || python3 -c "
 import sys; sys.path.insert(0,'.')
 from pathlib import Path
 from bench.eval_bench import gguf_as_package
@@ -27,7 +29,8 @@ open('/root/qb/model_dir','w').write(str(m))
 " || { echo convert failed; touch /root/qb/done; exit 1; }
 M=$(cat /root/qb/model_dir)
 echo "converted $(date +%s) $M"
-for cut in ${*:-1024:/root/qb/a 2048:/root/qb/d}; do  # arguments: CUT:FOLDER of data.parquet ...
+for cut in ${*:-1024:/root/qb/a 2048:/root/qb/d}; do  # arguments: CUT:FOLDER of data.parquet ... (none: convert only)
+    [ "$cut" = none ] && continue
     n=${cut%%:*}-$(date +%s)  # a fresh work folder and results folder each run (a finished train folder refuses a rerun)
     timeout 700 python3 bench/quality_bench.py --model-dir $M --prepared ${cut#*:}/data.parquet --arms ten-minutes \
         --cache-root /dev/shm/q$n --work /root/qb/work$n --out $R/q$n ${BUDGET:+--budget-s $BUDGET} ${RESERVE:+--reserve-s $RESERVE}
