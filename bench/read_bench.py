@@ -55,14 +55,17 @@ def synthetic_capture(folder: Path, hidden: int, samples: int, doc_len: int) -> 
     return CaptureSet(tuple(shards), LAYERS, hidden, "bfloat16", "synthetic")
 
 
-def measure(shape: str, args, device) -> dict:
+def step_reader(shape: str, args, pin: bool = False):
+    """read(i): step i's packed batch of the shape's synthetic capture, as the trainer loads it (steps cycle)."""
     hidden = SHAPES[shape]["hidden_size"]
     index = CaptureIndex.build(synthetic_capture(Path(args.dir) / shape, hidden, args.samples, args.doc_len))
     plan = pack(index.lengths, args.tokens, epoch_order(len(index.refs), 0, 0))
-    cuda = device.type == "cuda"
+    return lambda i: index.load(plan[i % len(plan)], args.tokens, args.tokens, pin=pin)
 
-    def read(i: int):
-        return index.load(plan[i % len(plan)], args.tokens, args.tokens, pin=cuda)
+
+def measure(shape: str, args, device) -> dict:
+    cuda = device.type == "cuda"
+    read = step_reader(shape, args, pin=cuda)
 
     def train(b, wait: float):  # the step: the batch on the device, then the device busy for `wait` seconds
         b = b.to(device, torch.bfloat16)
@@ -96,7 +99,7 @@ def measure(shape: str, args, device) -> dict:
             train(b, step_s)
         ahead.result()
         overlapped = (time.perf_counter() - t) / args.steps
-    states = args.tokens * (len(LAYERS) + 1) * hidden * 2  # bytes of a step's bf16 states
+    states = args.tokens * (len(LAYERS) + 1) * SHAPES[shape]["hidden_size"] * 2  # bytes of a step's bf16 states
     return {"shape": shape, "tokens": args.tokens, "bytes_per_step": states,
             "read_s": round(read_s, 4), "read_gb_per_s": round(states / read_s / 1e9, 2),
             "step_s": round(step_s, 4), "serial_s_per_step": round(serial, 4),
@@ -110,13 +113,8 @@ def host_bound(shape: str, args) -> dict:
     import multiprocessing as mp
 
     torch.set_num_threads(1)  # one thread, as a launching host's; and a fork after a pool of threads can hang
-    hidden = SHAPES[shape]["hidden_size"]
-    index = CaptureIndex.build(synthetic_capture(Path(args.dir) / shape, hidden, args.samples, args.doc_len))
-    plan = pack(index.lengths, args.tokens, epoch_order(len(index.refs), 0, 0))
+    read = step_reader(shape, args)
     x = torch.ones(4)
-
-    def read(i: int):
-        return index.load(plan[i % len(plan)], args.tokens, args.tokens)
 
     def step() -> float:
         t = time.perf_counter()
@@ -124,8 +122,9 @@ def host_bound(shape: str, args) -> dict:
             x.add_(1)
         return time.perf_counter() - t
 
-    todo, done = mp.get_context("fork").Queue(), mp.get_context("fork").Queue()
-    worker = mp.get_context("fork").Process(target=_read_worker, args=(read, todo, done), daemon=True)
+    fork = mp.get_context("fork")
+    todo, done = fork.Queue(), fork.Queue()
+    worker = fork.Process(target=_read_worker, args=(read, todo, done), daemon=True)
     worker.start()
     reads, times = [], {"alone": [], "thread": [], "process": []}
     with ThreadPoolExecutor(1) as pool:
