@@ -37,6 +37,7 @@ a sample's top-1 is checked once a run however many windows read it.
 """
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -113,9 +114,14 @@ class Trainer:
         self.paced: list[float] = []  # with max_seconds, until it is met: when each step of this process began
         self.paced_evals = 0.0  # seconds of held-out evaluations among the paced steps (after the first two)
         self.met = not cfg.max_seconds  # whether the deadline's cut is decided (or there is none)
+        self.held: tuple[int, float, float, float] | None = None  # after the cut, at the last check: step, time,
+        # seconds of evaluations and of checkpoints so far
+        self.eval_s = 0.0  # the timed held-out evaluation's seconds (with max_seconds)
         self.evaluated = False  # whether this process has evaluated (its first evaluation compiles, on a GPU)
         self.saves = 0  # checkpoints this process has written
+        self.saves_s = 0.0  # and their seconds
         self.opt = build_optimizer(cfg, self.draft, self.cuda)
+        self.step_weights = torch.tensor(step_weights(cfg.ttt_steps, cfg.step_decay), device=dist.device)
         self.history: list[dict] = []
         self.step = 0
         self.my_tokens = 0  # tokens this rank trained on in this run (a resumed run counts from the resume)
@@ -322,8 +328,9 @@ class Trainer:
             self.step, self.history = state["step"], state["history"]
             log(f"train: resumed at step {self.step} from {state['path']}")
             for r in self.history:  # a deadline met before the kill holds on: the same total, the same schedule
-                if "deadline" in r:
-                    self._cut_to(r["deadline"]["total_steps"])
+                for cut in ("deadline", "recut"):
+                    if cut in r:
+                        self._cut_to(r[cut]["total_steps"])
         if self.window:
             self.window.check_start(self.step, self.ckpt.root)
 
@@ -348,15 +355,17 @@ class Trainer:
                                       cfg.ttt_steps, cfg.grad_clip)
         mine = sum(b.n_tokens for b in host)
         self.my_tokens += mine
-        tokens = self.dist.all_reduce(torch.tensor(float(mine), device=dev))
+        tokens = self.dist.all_reduce(torch.tensor([float(mine)], device=dev))
         n = stats[:, 2].clamp(min=1)
         per_step = stats[:, 0] / n
-        weights = torch.tensor(step_weights(cfg.ttt_steps, cfg.step_decay), device=dev)
+        k = cfg.ttt_steps
+        # the record's figures come to the host in one copy: each float() of a device tensor waits for the GPU
+        got = torch.cat([(self.step_weights * per_step).sum().reshape(1), stats[:, 1] / n, per_step,
+                         gnorm.reshape(1).to(dev, torch.float32), tokens]).tolist()
         dt = time.perf_counter() - t0
         self.step += 1
-        return {"step": self.step, "loss": float((weights * per_step).sum()),
-                "acc": [round(float(a), 6) for a in stats[:, 1] / n], "ce": [float(c) for c in per_step],
-                "lr": lr, "grad_norm": float(gnorm), "tokens": int(tokens), "seconds": dt}
+        return {"step": self.step, "loss": got[0], "acc": [round(a, 6) for a in got[1:1 + k]],
+                "ce": got[1 + k:1 + 2 * k], "lr": lr, "grad_norm": got[-2], "tokens": int(got[-1]), "seconds": dt}
 
     def _evaluate_now(self, rec: dict) -> None:
         """Held-out evaluation when one is due: into the step's record, a new best kept aside."""
@@ -374,6 +383,7 @@ class Trainer:
                  replayed_acceptance_length=heldout["replayed_acceptance_length"], best_step=best["step"])
 
     def run(self) -> dict:
+        clock = GcClock()
         try:
             self.resume()
             self.ckpt.drop_bests_after(self.step, self.dist)  # kept aside after the checkpoint resumed from
@@ -381,6 +391,9 @@ class Trainer:
             tokens = self._steps()
         finally:  # a step (or the resume) that raises must not leave the read-ahead thread running
             self._reader.shutdown(cancel_futures=True)
+            clock.close()
+        log(f"train: garbage collection took {sum(clock.seconds):.2f} s ({clock.count[2]} full collections, "
+            f"{clock.seconds[2]:.2f} s of it)")
         if self.stopped_early:
             log(f"train: stopped early at step {self.step}: {self.cfg.patience} evaluations without a better "
                 f"held-out acceptance length than step {best_eval(self.history)['step']}'s")
@@ -389,6 +402,7 @@ class Trainer:
         for node, n in self.dist.gather_objects((self.cfg.node_rank, self.my_tokens)):
             by_node[str(node)] = by_node.get(str(node), 0) + n
         return {"tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0, "train_seconds": elapsed,
+                "gc_seconds": round(sum(clock.seconds), 3),
                 "tokens_by_node": by_node, **(compile_figures(self.compiled_before) if self.compiled else {})}
 
     def _steps(self) -> int:
@@ -404,13 +418,17 @@ class Trainer:
             rec = self.train_step()
             if profiled:
                 profiled.after(self.step)
+            if rec["step"] == first + 1:  # what loading and compiling left (millions of objects) is never garbage:
+                gc.freeze()  # out of the collector's sight, a full collection no longer walks it (up to 1.3 s a step)
             if self.compiled and rec["step"] == first:  # a cold compile costs minutes on a GPU host
                 c = compile_figures(self.compiled_before)
                 log(f"train: the first step took {rec['seconds']:.1f} s, compiling {c['compile_seconds']:.1f} s of it "
                     f"({c['compiled_graphs']} graphs)")
+            if self.met and self.cfg.max_seconds:  # before the evaluation: a step cut to be the last one is evaluated
+                self._hold_deadline(rec)
             t = time.perf_counter()
             self._evaluate_now(rec)
-            if not self.met and len(self.paced) > 2:  # the pace is the steps' own: evaluations are counted apart
+            if self.met or len(self.paced) > 2:  # the pace is the steps' own: evaluations are counted apart
                 self.paced_evals += time.perf_counter() - t
             self._meet_deadline(rec)
             self.history.append(rec)
@@ -420,10 +438,12 @@ class Trainer:
                      tokens_per_s=rec["tokens"] / rec["seconds"])
                 progress(self.step, self.total_steps, what="steps", loss=round(rec["loss"], 4))
             if self.step % self.cfg.checkpoint_every == 0 or self.step == self.end_step or self.stopped_early:
+                t = time.perf_counter()
                 best = best_eval(self.history)
                 path = self.ckpt.save(self.step, self.draft, self.opt, self.history, self.dist, asdict(self.cfg),
                                       best_step=best["step"] if best else None)
                 self.saves += 1
+                self.saves_s += time.perf_counter() - t
                 if self.dist.local_rank == 0:
                     emit("checkpoint", step=self.step, path=str(path))
         if profiled:
@@ -455,7 +475,7 @@ class Trainer:
                 self.evaluate()
             t = time.perf_counter()
             self.evaluate()
-            eval_s = time.perf_counter() - t
+            eval_s = self.eval_s = time.perf_counter() - t
         left = cfg.max_seconds - (time.perf_counter() - self.t0)
         steps = max(0.0, left / step_s)
         every = cfg.eval_every or max(1.0, (self.step + steps) / 20)  # at the cut total's pace
@@ -466,6 +486,41 @@ class Trainer:
                            "eval_s": round(eval_s, 3), "seconds_left": round(left, 1)}
         log(f"train: max_seconds {cfg.max_seconds:g}: {step_s * 1000:.1f} ms a step, {eval_s:.2f} s an evaluation, "
             f"{left:.0f} s left at step {self.step}: {total} steps of the {self.total_steps} planned")
+        self._cut_to(total)
+        self.held = (self.step, time.perf_counter(), self.paced_evals, self.saves_s)
+
+    def _hold_deadline(self, rec: dict) -> None:
+        """After the cut, every few steps: when the steps since the last check went slower than the cut's pace
+        (a host-bound step is as fast as the host lets it be: on an H200 a run's steps drifted from 43 to 60 ms after
+        its cut, and it ran 55 s past its deadline), the total is cut again to what fits at their pace, the
+        evaluations and checkpoints still to come counted apart at their own; past the deadline, the run ends at
+        this step. Only ever shortened; every rank takes the smallest total."""
+        cfg, every = self.cfg, max(5, min(50, self.total_steps // 40))
+        now = time.perf_counter()
+        if self.held is None:  # a resumed run that met its deadline before: its pace is taken from here
+            self.held = (self.step, now, self.paced_evals, self.saves_s)
+            return
+        since, t_then, evals_then, saves_then = self.held
+        if self.step - since < every or self.step >= self.end_step:
+            return
+        step_s = (now - t_then - (self.paced_evals - evals_then) - (self.saves_s - saves_then)) / (self.step - since)
+        self.held = (self.step, now, self.paced_evals, self.saves_s)
+        left = cfg.max_seconds - (now - self.t0)
+        todo = self.end_step - self.step
+        others = ((todo / self.eval_every + 1) * self.eval_s +  # the last step evaluates and saves too
+                  (todo // cfg.checkpoint_every + 1) * self.saves_s / max(1, self.saves))
+        if todo * step_s + others <= left:
+            fit = self.end_step
+        else:
+            fit = self.step + max(1, int((left - others) * 0.98 / step_s)) if left > others else self.step
+        # every rank checks at the same steps and takes part, whatever it found (or the collective would hang)
+        total = int(self.dist.all_reduce(torch.tensor(min(fit, self.end_step), device=self.dist.device), "min"))
+        if total >= self.end_step:
+            return
+        rec["recut"] = {"total_steps": total, "was": self.end_step, "step_s": round(step_s, 5),
+                        "seconds_left": round(left, 1)}
+        log(f"train: max_seconds {cfg.max_seconds:g}: the last {every} steps took {step_s * 1000:.1f} ms each, "
+            f"{left:.0f} s left at step {self.step}: {total} steps instead of {self.end_step}")
         self._cut_to(total)
 
     def _cut_to(self, total: int) -> None:
@@ -551,6 +606,25 @@ def best_eval(history: list[dict]) -> dict | None:
         if "heldout" in r and (best is None or r["heldout"]["acceptance_length"] > best["heldout"]["acceptance_length"]):
             best = r
     return best
+
+
+class GcClock:
+    """The seconds the interpreter spends collecting garbage while it lives, and how many collections, by
+    generation (gc.callbacks)."""
+
+    def __init__(self):
+        self.seconds, self.count, self._t = [0.0] * 3, [0] * 3, 0.0
+        gc.callbacks.append(self._tick)
+
+    def _tick(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.seconds[info["generation"]] += time.perf_counter() - self._t
+            self.count[info["generation"]] += 1
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._tick)
 
 
 # ----------------------------------------------------------------------------- the optimiser
