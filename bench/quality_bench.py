@@ -47,7 +47,8 @@ evaluated on an fp8 copy of its data's capture (the same states, stored as captu
 their data ("subset": the first --subset-rows samples; "all": every one); an arm with own_capture
 captures its data itself into a fresh cache, timed as its own (the 10-minute arm: capture +
 training + offline evaluation within budget_seconds: the trainer gets what is left as its own deadline,
-max_seconds, and cuts its steps to what fits at the pace it measures). Arms run one after another, or --parallel at a
+max_seconds, and cuts its steps to what fits at the pace it measures; an eaglet one compiles the trainer's graphs
+beside its capture, remote.train.warm, unless --no-compile-ahead). Arms run one after another, or --parallel at a
 time (each a process; `concurrent` in each record names the arms that ran beside it, so its wall
 time is read with that). Results go to OUT/quality.json, rewritten as each
 arm ends; an arm marked keep leaves its draft in OUT/draft-<name>.tar (the lm_head left out when
@@ -195,14 +196,26 @@ def run_arm(arm: dict, shared: dict, model: str, a, work: Path, t_start: float, 
         limits = ([a.deadline - (time.perf_counter() - t_start)] if a.deadline else []) + (
             [arm["budget_seconds"] - (time.perf_counter() - t0)] if "budget_seconds" in arm else [])
         return max(1.0, min(limits)) if limits else None
+    ahead = None
     try:
         if arm.get("own_capture"):
+            if impl == "eaglet" and a.compile_ahead:  # the trainer's graphs compiled while the capture runs
+                warm = {"target": model, "out_dir": str(folder / "warm"), "draft_vocab_size": a.draft_vocab_size,
+                        "train": arm.get("train", {})}
+                ahead = ThreadPoolExecutor(1).submit(run_step, "warm", warm, folder, left(), "remote.train.warm")
             data = shared["datasets"][rec["data"]]
             own = capture_and_vocab(data, model, folder, str(Path(a.cache_root) / name), a)
             rec.update(setup=own)
             rec["seconds"].update(own["seconds"])
         else:
             own = shared[rec["data"]]
+        if ahead is not None:  # waited for inside the arm's time: the trainer gets what is left after it
+            t = time.perf_counter()
+            try:
+                rec["seconds"]["warm"], wm = ahead.result()
+                rec["warm"] = {**wm["figures"], "waited_s": round(time.perf_counter() - t, 1)}
+            except SystemExit as e:  # the run goes on, compiling for itself
+                rec["warm"] = {"error": str(e)[-1000:]}
         if arm.get("storage") == "fp8":
             own = fp8_copy(own, work)
         train = size_training(arm, time.perf_counter() - t0, a) if "budget_seconds" in arm else dict(arm.get("train", {}))
@@ -359,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="budget arms: seconds kept for export and evaluate (they took 26-33 s on an H200)")
     ap.add_argument("--budget-s", type=float, default=0,
                     help="budget arms: this many seconds instead of the arm's budget_seconds (a run that must fit a call)")
+    ap.add_argument("--no-compile-ahead", dest="compile_ahead", action="store_false",
+                    help="own-capture eaglet arms: do not compile the trainer's graphs beside the capture "
+                         "(remote.train.warm); the trainer's first step then compiles them")
     ap.add_argument("--smoke", action="store_true", help="CPU dress rehearsal: tiny random target, few rows")
     ap.add_argument("--unpack", nargs=2, metavar=("TAR", "DEST"), help="only make a kept draft whole (with --model-dir)")
     ap.add_argument("--check", action="store_true", help="only check the arms' settings against their configs")

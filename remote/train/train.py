@@ -20,7 +20,7 @@ step and save memory nobody is short of. Each rank reads only its own micro-batc
 The recipe (docs/TRAINING.md): AdamW, or Muon for the hidden weight matrices beside AdamW; a
 linear warmup, then a linear or cosine fall to min_lr_ratio over the budget (max_steps, or
 train_tokens, or epochs, or by default auto_train_tokens' worth of the data; a deadline, max_seconds, cuts
-it once to the steps that fit at the pace the run measures). Every `eval_every`
+it to the steps that fit at the pace the run measures, and again if the steps slow down). Every `eval_every`
 steps the draft's offline acceptance length on the held-out split is measured with the evaluate
 step's own chain count (remote.evaluate.evaluate.chain_tally, no engine); the best draft is kept
 aside (checkpoints/best-N/) and the run stops after `patience` evaluations without a better one.
@@ -452,7 +452,7 @@ class Trainer:
 
     def _meet_deadline(self, rec: dict) -> None:
         """With max_seconds: once 8 steps after the first two (compiling) have taken 5% of it (and, when checkpoints
-        are due before the end, one has been written among them, or 25% has passed), the total is cut, once, to
+        are due before the end, one has been written among them, or 25% has passed), the total is cut to
         what fits in the time left at their pace, less the held-out evaluations still to come (one is
         timed now, its figures not kept; the process's first one compiles, so it runs first, untimed). Every rank
         takes the smallest total any rank found."""
