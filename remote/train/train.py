@@ -42,6 +42,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -112,10 +113,11 @@ class Trainer:
         self.warmup_steps = cfg.warmup_steps or math.ceil(cfg.warmup * self.total_steps)
         self.eval_every = cfg.eval_every or max(1, math.ceil(self.total_steps / 20))
         self.paced: list[float] = []  # with max_seconds, until it is met: when each step of this process began
-        self.paced_evals = 0.0  # seconds of held-out evaluations among the paced steps (after the first two)
+        self.apart_s = 0.0  # seconds of held-out evaluations and profile writes among the paced steps (from the third)
         self.met = not cfg.max_seconds  # whether the deadline's cut is decided (or there is none)
-        self.held: tuple[int, float, float, float] | None = None  # after the cut, at the last check: step, time,
-        # seconds of evaluations and of checkpoints so far
+        self.held: int | None = None  # after the cut: the step of the last check (the cut's, or a resume's first)
+        self.loop_s: list[float] = []  # after the cut: each step's seconds in the loop since that check, all but
+        # evaluations, checkpoints and profile writes
         self.eval_s = 0.0  # the timed held-out evaluation's seconds (with max_seconds)
         self.evaluated = False  # whether this process has evaluated (its first evaluation compiles, on a GPU)
         self.saves = 0  # checkpoints this process has written
@@ -411,13 +413,16 @@ class Trainer:
         tokens, first = 0, self.step + 1
         profiled = Profiled(self.cfg.profile_steps, first + 2, self.dist, self.stage) if self.cfg.profile_steps else None
         while self.step < self.end_step and not self.stopped_early:
+            t_loop, apart = time.perf_counter(), self.apart_s + self.saves_s
             if not self.met:
-                self.paced.append(time.perf_counter())
+                self.paced.append(t_loop)
             if profiled:
                 profiled.before(self.step + 1, ready=self.met)
             rec = self.train_step()
             if profiled:
-                profiled.after(self.step)
+                t = time.perf_counter()
+                profiled.after(self.step)  # the last profiled step writes its tables
+                self.apart_s += time.perf_counter() - t if self.met else 0.0
             if rec["step"] == first + 1:  # what loading and compiling left (millions of objects) is never garbage:
                 gc.freeze()  # out of the collector's sight, a full collection no longer walks it (up to 1.3 s a step)
             if self.compiled and rec["step"] == first:  # a cold compile costs minutes on a GPU host
@@ -429,7 +434,7 @@ class Trainer:
             t = time.perf_counter()
             self._evaluate_now(rec)
             if self.met or len(self.paced) > 2:  # the pace is the steps' own: evaluations are counted apart
-                self.paced_evals += time.perf_counter() - t
+                self.apart_s += time.perf_counter() - t
             self._meet_deadline(rec)
             self.history.append(rec)
             tokens += rec["tokens"]
@@ -446,6 +451,8 @@ class Trainer:
                 self.saves_s += time.perf_counter() - t
                 if self.dist.local_rank == 0:
                     emit("checkpoint", step=self.step, path=str(path))
+            if self.held is not None:
+                self.loop_s.append(time.perf_counter() - t_loop - (self.apart_s + self.saves_s - apart))
         if profiled:
             profiled.after(self.step, last=True)
         return tokens
@@ -468,7 +475,7 @@ class Trainer:
             return
         # the steps' own time and what comes with them (logs, saves), not the evaluations among them (the first one
         # compiles: on an H200 it made a 42.7-ms step look like 62.5 ms, and the run ended 27% short of its deadline)
-        step_s = (now - paced[2] - self.paced_evals) / (len(paced) - 2)
+        step_s = (now - paced[2] - self.apart_s) / (len(paced) - 2)
         eval_s = 0.0
         if cfg.eval_tokens and self.heldout is not None:
             if not self.evaluated:
@@ -487,25 +494,27 @@ class Trainer:
         log(f"train: max_seconds {cfg.max_seconds:g}: {step_s * 1000:.1f} ms a step, {eval_s:.2f} s an evaluation, "
             f"{left:.0f} s left at step {self.step}: {total} steps of the {self.total_steps} planned")
         self._cut_to(total)
-        self.held = (self.step, time.perf_counter(), self.paced_evals, self.saves_s)
+        self.held, self.loop_s = self.step, []
 
     def _hold_deadline(self, rec: dict) -> None:
-        """After the cut, every few steps: when the steps since the last check went slower than the cut's pace
-        (a host-bound step is as fast as the host lets it be: on an H200 a run's steps drifted from 43 to 60 ms after
-        its cut, and it ran 55 s past its deadline), the total is cut again to what fits at their pace, the
-        evaluations and checkpoints still to come counted apart at their own; past the deadline, the run ends at
-        this step. Only ever shortened; every rank takes the smallest total."""
+        """After the cut, every few steps: when the steps go slower than the cut's pace (a host-bound step is as
+        fast as the host lets it be: on an H200 a run's steps drifted from 43 to 60 ms after its cut, and it ran
+        55 s past its deadline), the total is cut again to what fits, the evaluations and checkpoints still to
+        come counted apart at their own; past the deadline, the run ends at this step. The pace is the median of
+        the steps since the last check (each its seconds in the loop, evaluations, checkpoints and profile writes
+        apart): a slow spell moves it, one slow step does not (a profile written, a busy second on the host: a run
+        cut at 8,063 steps was cut to 4,439 by one when the pace was the window's mean); what such a step cost is
+        gone from the time left.
+        Only ever shortened; every rank takes the smallest total."""
         cfg, every = self.cfg, max(5, min(50, self.total_steps // 40))
-        now = time.perf_counter()
         if self.held is None:  # a resumed run that met its deadline before: its pace is taken from here
-            self.held = (self.step, now, self.paced_evals, self.saves_s)
+            self.held = self.step
             return
-        since, t_then, evals_then, saves_then = self.held
-        if self.step - since < every or self.step >= self.end_step:
+        if self.step - self.held < every or self.step >= self.end_step:
             return
-        step_s = (now - t_then - (self.paced_evals - evals_then) - (self.saves_s - saves_then)) / (self.step - since)
-        self.held = (self.step, now, self.paced_evals, self.saves_s)
-        left = cfg.max_seconds - (now - self.t0)
+        step_s = statistics.median(self.loop_s) if self.loop_s else rec["seconds"]
+        self.held, self.loop_s = self.step, []
+        left = cfg.max_seconds - (time.perf_counter() - self.t0)
         todo = self.end_step - self.step
         others = ((todo / self.eval_every + 1) * self.eval_s +  # the last step evaluates and saves too
                   (todo // cfg.checkpoint_every + 1) * self.saves_s / max(1, self.saves))
@@ -519,8 +528,8 @@ class Trainer:
             return
         rec["recut"] = {"total_steps": total, "was": self.end_step, "step_s": round(step_s, 5),
                         "seconds_left": round(left, 1)}
-        log(f"train: max_seconds {cfg.max_seconds:g}: the last {every} steps took {step_s * 1000:.1f} ms each, "
-            f"{left:.0f} s left at step {self.step}: {total} steps instead of {self.end_step}")
+        log(f"train: max_seconds {cfg.max_seconds:g}: {step_s * 1000:.1f} ms a step lately, {left:.0f} s left at "
+            f"step {self.step}: {total} steps instead of {self.end_step}")
         self._cut_to(total)
 
     def _cut_to(self, total: int) -> None:
