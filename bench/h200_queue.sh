@@ -9,7 +9,8 @@
 # make an arm fit one device call, so no later call has to come back in time to collect it (a chain of calls broken
 # for longer than the machine stays warm lost a whole run on 2026-12-04). The conversion (~41 s) is done once: a
 # call `bash bench/h200_queue.sh none` only converts; the next, at once, runs in the foreground
-# `BUDGET=575 bash bench/h200_queue.sh 1024:/root/qb/a` and copies /root/qb/res/q1024-*/ to $OUT.
+# `BUDGET=575 bash bench/h200_queue.sh 1024:/root/qb/a` and copies /root/qb/res/q1024-*/ to $OUT (quality.json, the
+# draft's tar, loss.jsonl, profile.txt, train.log and warm.log: within the 8 files a call brings back).
 #
 # Before it, on the device: /root/qb/a (PACK/a: data.parquet at 1,024, gguf.part-1), /root/qb/smollm2.gguf
 # (gguf.part-1 + PACK/b/gguf.part-2), /root/qb/d/data.parquet (`bench/eval_bench.py --pack D --conversations 0
@@ -37,7 +38,9 @@ for cut in ${*:-1024:/root/qb/a 2048:/root/qb/d}; do  # arguments: CUT:FOLDER of
     echo "ten-minutes $n rc=$? $(date +%s) -> $R/q$n"
     W=/root/qb/work$n/ten-minutes  # beside the results: the profile, the loss curve, the trainer's own account of its time
     for d in $W/train $W/train.partial; do cp $d/profile.txt $d/loss.jsonl $R/q$n/ 2>/dev/null; done  # partial: cut off
-    grep -h "first step\|max_seconds\|profiled\|top-1" $W/train.log > $R/q$n/train-notes.log 2>/dev/null
+    for f in train warm; do  # the logs without their per-step events (a device call brings back 8 files at most)
+        grep -v '"event": "progress"\|"event": "train"' $W/$f.log > $R/q$n/$f.log 2>/dev/null
+    done
     rm -rf /dev/shm/q$n
 done
 touch /root/qb/done
