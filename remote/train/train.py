@@ -125,6 +125,7 @@ class Trainer:
         self.opt = build_optimizer(cfg, self.draft, self.cuda)
         self.step_weights = torch.tensor(step_weights(cfg.ttt_steps, cfg.step_decay), device=dist.device)
         self.history: list[dict] = []
+        self.evals: list[dict] = []  # the records of history with a held-out evaluation (the best is among them)
         self.step = 0
         self.my_tokens = 0  # tokens this rank trained on in this run (a resumed run counts from the resume)
         # The next step's batches are read (and pinned, on a GPU) in a thread while this step trains:
@@ -328,6 +329,7 @@ class Trainer:
                                       RESUMABLE_CHANGES + WINDOW_CHANGES)
         if state is not None:
             self.step, self.history = state["step"], state["history"]
+            self.evals = [r for r in self.history if "heldout" in r]
             log(f"train: resumed at step {self.step} from {state['path']}")
             for r in self.history:  # a deadline met before the kill holds on: the same total, the same schedule
                 for cut in ("deadline", "recut"):
@@ -377,7 +379,7 @@ class Trainer:
         if heldout is None:
             return
         rec["heldout"] = heldout
-        best = best_eval(self.history + [rec])
+        best = best_eval(self.evals + [rec])
         if best is rec:
             self.ckpt.save_best(self.step, self.draft, self.dist)
         if self.dist.local_rank == 0:
@@ -398,7 +400,7 @@ class Trainer:
             f"{clock.seconds[2]:.2f} s of it)")
         if self.stopped_early:
             log(f"train: stopped early at step {self.step}: {self.cfg.patience} evaluations without a better "
-                f"held-out acceptance length than step {best_eval(self.history)['step']}'s")
+                f"held-out acceptance length than step {best_eval(self.evals)['step']}'s")
         elapsed = time.perf_counter() - t_start
         by_node: dict[str, int] = {}
         for node, n in self.dist.gather_objects((self.cfg.node_rank, self.my_tokens)):
@@ -437,6 +439,8 @@ class Trainer:
                 self.apart_s += time.perf_counter() - t
             self._meet_deadline(rec)
             self.history.append(rec)
+            if "heldout" in rec:
+                self.evals.append(rec)
             tokens += rec["tokens"]
             if self.dist.local_rank == 0 and (self.step % self.cfg.log_every == 0 or self.step == self.total_steps):
                 emit("train", step=rec["step"], loss=rec["loss"], acc=rec["acc"], lr=rec["lr"],
@@ -444,7 +448,7 @@ class Trainer:
                 progress(self.step, self.total_steps, what="steps", loss=round(rec["loss"], 4))
             if self.step % self.cfg.checkpoint_every == 0 or self.step == self.end_step or self.stopped_early:
                 t = time.perf_counter()
-                best = best_eval(self.history)
+                best = best_eval(self.evals)
                 path = self.ckpt.save(self.step, self.draft, self.opt, self.history, self.dist, asdict(self.cfg),
                                       best_step=best["step"] if best else None)
                 self.saves += 1
@@ -546,10 +550,10 @@ class Trainer:
     @property
     def stopped_early(self) -> bool:
         """patience evaluations since the best one (every rank decides alike: the figures are all-reduced)."""
-        best = best_eval(self.history)
+        best = best_eval(self.evals)  # every step asks: the evaluations alone, not the whole history
         if not self.cfg.patience or best is None:
             return False
-        return sum(1 for r in self.history if "heldout" in r and r["step"] > best["step"]) >= self.cfg.patience
+        return sum(1 for r in self.evals if r["step"] > best["step"]) >= self.cfg.patience
 
 
 class Profiled:
@@ -762,7 +766,7 @@ def _curves(history: list[dict], most: int = 256) -> dict:
 
 
 def _heldout_figures(trainer: "Trainer") -> dict:
-    best = best_eval(trainer.history)
+    best = best_eval(trainer.evals)
     if best is None:
         return {}
     return {"best_step": best["step"], "heldout_acceptance_length": best["heldout"]["acceptance_length"],
@@ -817,7 +821,7 @@ def _publish_draft(cfg: TrainConfig, out: StepOutput, trainer: Trainer, counts: 
     """Write the draft (the best held-out weights when there were evaluations, else the last ones), its
     config and the loss curve into the staging folder and publish it."""
     stage = out.staging
-    best = best_eval(trainer.history)
+    best = best_eval(trainer.evals)
     if best is not None:
         shutil.copyfile(trainer.ckpt.best_weights(best["step"]), stage / "model.safetensors")
     else:
