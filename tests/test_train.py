@@ -17,22 +17,12 @@ from safetensors.torch import load_file
 
 from remote.step import EVENT_PREFIX, EXIT_BAD_INPUT
 from remote.train.vocab import choose_vocab
-from tests.fixtures.train_inputs import LAYER_IDS, hf_capture, run_train, save_vocab
+from tests.fixtures.train_inputs import LAYER_IDS, hf_capture, random_chats, run_train, save_vocab
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 # ----------------------------------------------------------------------------- helpers
-def random_chats(n: int, vocab: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    seqs, masks = [], []
-    for _ in range(n):
-        t = int(torch.randint(16, 48, (1,), generator=g))
-        seqs.append(torch.randint(3, vocab, (t,), generator=g).tolist())
-        masks.append([0] * (t // 3) + [1] * (t - t // 3))
-    return seqs, masks
-
-
 def events(stdout: str, kind: str) -> list[dict]:
     evs = [json.loads(line[len(EVENT_PREFIX):]) for line in stdout.splitlines() if line.startswith(EVENT_PREFIX)]
     return [e for e in evs if e["event"] == kind]

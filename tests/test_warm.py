@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.train_inputs import LAYER_IDS, REPO, hf_capture, save_vocab
-from tests.test_train import random_chats
+from tests.fixtures.train_inputs import LAYER_IDS, REPO, hf_capture, random_chats, save_vocab
 
 
 def _step(module: str, cfg: dict, path, cache) -> dict:
