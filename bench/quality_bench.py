@@ -202,7 +202,9 @@ def run_arm(arm: dict, shared: dict, model: str, a, work: Path, t_start: float, 
             if impl == "eaglet" and a.compile_ahead:  # the trainer's graphs compiled while the capture runs
                 warm = {"target": model, "out_dir": str(folder / "warm"), "draft_vocab_size": a.draft_vocab_size,
                         "train": arm.get("train", {})}
-                ahead = ThreadPoolExecutor(1).submit(run_step, "warm", warm, folder, left(), "remote.train.warm")
+                pool = ThreadPoolExecutor(1)
+                ahead = pool.submit(run_step, "warm", warm, folder, left(), "remote.train.warm")
+                pool.shutdown(wait=False)  # its one task runs on; the thread ends with it
             data = shared["datasets"][rec["data"]]
             own = capture_and_vocab(data, model, folder, str(Path(a.cache_root) / name), a)
             rec.update(setup=own)

@@ -427,7 +427,7 @@ class Trainer:
                 profiled.after(self.step)  # the last profiled step writes its tables
                 self.apart_s += time.perf_counter() - t if self.met else 0.0
             if rec["step"] == first + 1:  # what loading and compiling left (millions of objects) is never garbage:
-                gc.freeze()  # out of the collector's sight, a full collection no longer walks it (up to 1.3 s a step)
+                gc.freeze()  # out of the collector's sight, a full collection no longer walks it (GcClock times them)
             if self.compiled and rec["step"] == first:  # a cold compile costs minutes on a GPU host
                 c = compile_figures(self.compiled_before)
                 log(f"train: the first step took {rec['seconds']:.1f} s, compiling {c['compile_seconds']:.1f} s of it "
@@ -492,7 +492,7 @@ class Trainer:
         steps = max(0.0, left / step_s)
         every = cfg.eval_every or max(1.0, (self.step + steps) / 20)  # at the cut total's pace
         evals = 1 + steps / every if eval_s else 0  # the last one too
-        fit = self.step + max(1, int((left - evals * eval_s) * 0.98 / step_s))
+        fit = self._fit(left, evals * eval_s, step_s, least=self.step + 1)
         total = int(self.dist.all_reduce(torch.tensor(min(fit, self.total_steps), device=self.dist.device), "min"))
         rec["deadline"] = {"total_steps": total, "planned_steps": self.total_steps, "step_s": round(step_s, 5),
                            "eval_s": round(eval_s, 3), "seconds_left": round(left, 1)}
@@ -523,10 +523,8 @@ class Trainer:
         todo = self.end_step - self.step
         others = ((todo / self.eval_every + 1) * self.eval_s +  # the last step evaluates and saves too
                   (todo // cfg.checkpoint_every + 1) * self.saves_s / max(1, self.saves))
-        if todo * step_s + others <= left:
-            fit = self.end_step
-        else:
-            fit = self.step + max(1, int((left - others) * 0.98 / step_s)) if left > others else self.step
+        fit = (self.end_step if todo * step_s + others <= left else  # past the deadline: this step is the last
+               self._fit(left, others, step_s, least=self.step + (left > others)))
         # every rank checks at the same steps and takes part, whatever it found (or the collective would hang)
         total = int(self.dist.all_reduce(torch.tensor(min(fit, self.end_step), device=self.dist.device), "min"))
         if total >= self.end_step:
@@ -536,6 +534,11 @@ class Trainer:
         log(f"train: max_seconds {cfg.max_seconds:g}: {step_s * 1000:.1f} ms a step lately, {left:.0f} s left at "
             f"step {self.step}: {total} steps instead of {self.end_step}")
         self._cut_to(total)
+
+    def _fit(self, left: float, others: float, step_s: float, least: int) -> int:
+        """The last step that fits in `left` seconds, `others` of them for evaluations and checkpoints still to
+        come, at `step_s` a step, 2% kept in hand; at least `least`."""
+        return max(least, self.step + int((left - others) * 0.98 / step_s))
 
     def _cut_to(self, total: int) -> None:
         """The run ends at step `total` (no later than planned); the schedule falls to its floor there."""

@@ -28,6 +28,7 @@ from remote.capture.layers import TargetConfig, check_layer_ids, default_layer_i
 from remote.capture.store import Sample, write_shard
 from remote.config import Checked, bounded
 from remote.step import StepOutput, begin_step, log, step_main, write_json_atomic
+from remote.train.config import TrainConfig
 from remote.train.vocab import choose_vocab
 
 STEP = "warm"
@@ -52,12 +53,11 @@ class WarmConfig(Checked):
     """the synthetic samples' shortest and longest length (they are packed and padded as real ones are)"""
 
 
-def synthetic_inputs(cfg: WarmConfig, folder: Path) -> tuple[Path, Path]:
+def synthetic_inputs(cfg: WarmConfig, folder: Path, budget: int) -> tuple[Path, Path]:
     """A finished capture folder (random states of the target's shape, train and held-out samples enough for two
-    steps and an evaluation) and a vocab folder of draft_vocab_size ids, in `folder`."""
+    steps of `budget` tokens and an evaluation) and a vocab folder of draft_vocab_size ids, in `folder`."""
     t = TargetConfig.read(cfg.target)
     layers = check_layer_ids(cfg.layer_ids, t.num_layers) if cfg.layer_ids else default_layer_ids(t.num_layers)
-    budget = int(cfg.train.get("token_budget", 8192))
     g = torch.Generator().manual_seed(0)
     lo, hi = cfg.doc_tokens
     samples, tokens = [], {"train": 0, "heldout": 0}
@@ -91,9 +91,10 @@ def warm(cfg: WarmConfig, out: StepOutput) -> dict:
     stage = out.open()
     work = stage / "inputs"
     shutil.rmtree(work, ignore_errors=True)
-    capture, vocab = synthetic_inputs(cfg, work)
+    budget = int(cfg.train.get("token_budget", TrainConfig.token_budget))
+    capture, vocab = synthetic_inputs(cfg, work, budget)
     run = {**cfg.train, **OWN, "capture_dir": str(capture), "vocab_dir": str(vocab), "target": cfg.target,
-           "out_dir": str(work / "train"), "eval_tokens": int(cfg.train.get("token_budget", 8192))}
+           "out_dir": str(work / "train"), "eval_tokens": budget}
     log(f"warm: two train steps on synthetic states of {cfg.target}'s shape, to compile ahead")
     m = trainer.run(run) or {}
     figures = {k: v for k, v in m.get("figures", {}).items() if k in ("compile_seconds", "compiled_graphs",
