@@ -396,7 +396,6 @@ class Trainer:
         finally:  # a step (or the resume) that raises must not leave the read-ahead thread running
             self._reader.shutdown(cancel_futures=True)
             clock.close()
-            gc.unfreeze()  # a process that goes on (a test's, a notebook's) collects them again
         log(f"train: garbage collection took {sum(clock.seconds):.2f} s ({clock.count[2]} full collections, "
             f"{clock.seconds[2]:.2f} s of it)")
         if self.stopped_early:
