@@ -110,6 +110,7 @@ class Trainer:
         if self.window:
             self.window.check(self.total_steps)
         self.end_step = self.window.last_step if self.window else self.total_steps  # where this run stops
+        self.planned_steps = self.total_steps  # the plan's total: a deadline's re-check may move the end back up to it
         self.warmup_steps = cfg.warmup_steps or math.ceil(cfg.warmup * self.total_steps)
         self.eval_every = cfg.eval_every or max(1, math.ceil(self.total_steps / 20))
         self.paced: list[float] = []  # with max_seconds, until it is met: when each step of this process began
@@ -501,15 +502,16 @@ class Trainer:
         self.held, self.loop_s = self.step, []
 
     def _hold_deadline(self, rec: dict) -> None:
-        """After the cut, every few steps: when the steps go slower than the cut's pace (a host-bound step is as
-        fast as the host lets it be: on an H200 a run's steps drifted from 43 to 60 ms after its cut, and it ran
-        55 s past its deadline), the total is cut again to what fits, the evaluations and checkpoints still to
-        come counted apart at their own; past the deadline, the run ends at this step. The pace is the median of
-        the steps since the last check (each its seconds in the loop, evaluations, checkpoints and profile writes
-        apart): a slow spell moves it, one slow step does not (a profile written, a busy second on the host: a run
-        cut at 8,063 steps was cut to 4,439 by one when the pace was the window's mean); what such a step cost is
-        gone from the time left.
-        Only ever shortened; every rank takes the smallest total."""
+        """After the cut, every few steps: the total is set again to what fits at the steps' pace since the last
+        check, the evaluations and checkpoints still to come counted apart at their own. A host-bound step is as
+        fast as the host lets it be, and the host's pace moves: on an H200 a run's steps drifted from 43 to 60 ms
+        after its cut and it ran 55 s past its deadline (so slower steps cut again; past the deadline, the run ends
+        at this step), and runs whose cut was taken in a slow spell (62-69 ms, then 54-56 ms for the rest) ended
+        30-60 s before theirs (so faster ones move the end back up, never past the plan, and only by more than a
+        re-check's worth of steps: the total does not flap). The pace is the median of the steps since the last
+        check (each its seconds in the loop, evaluations, checkpoints and profile writes apart): a slow spell moves
+        it, one slow step does not (a run cut at 8,063 steps was cut to 4,439 by one when the pace was the window's
+        mean); what such a step cost is gone from the time left. Every rank takes the smallest total any found."""
         cfg, every = self.cfg, max(5, min(50, self.total_steps // 40))
         if self.held is None:  # a resumed run that met its deadline before: its pace is taken from here
             self.held = self.step
@@ -519,15 +521,20 @@ class Trainer:
         step_s = statistics.median(self.loop_s) if self.loop_s else rec["seconds"]
         self.held, self.loop_s = self.step, []
         left = cfg.max_seconds - (time.perf_counter() - self.t0)
+        def others(todo: int) -> float:  # evaluations and checkpoints in `todo` steps; the last step has both
+            return ((todo / self.eval_every + 1) * self.eval_s +
+                    (todo // cfg.checkpoint_every + 1) * self.saves_s / max(1, self.saves))
+
         todo = self.end_step - self.step
-        others = ((todo / self.eval_every + 1) * self.eval_s +  # the last step evaluates and saves too
-                  (todo // cfg.checkpoint_every + 1) * self.saves_s / max(1, self.saves))
-        fit = (self.end_step if todo * step_s + others <= left else  # past the deadline: this step is the last
-               self._fit(left, others, step_s, least=self.step + (left > others)))
+        if todo * step_s + others(todo) > left:  # past the deadline: this step is the last
+            fit = self._fit(left, others(todo), step_s, least=self.step + (left > others(todo)))
+        else:  # room for more steps: counted with the evaluations and checkpoints they bring
+            fit = self._fit(left, others(todo), step_s, least=self.end_step)
+            fit = self._fit(left, others(fit - self.step), step_s, least=self.end_step)
         # every rank checks at the same steps and takes part, whatever it found (or the collective would hang)
-        total = int(self.dist.all_reduce(torch.tensor(min(fit, self.end_step), device=self.dist.device), "min"))
-        if total >= self.end_step:
-            return
+        total = int(self.dist.all_reduce(torch.tensor(min(fit, self.planned_steps), device=self.dist.device), "min"))
+        if self.end_step <= total < self.end_step + max(every, math.ceil(0.01 * self.end_step)):
+            return  # fits, and not by enough steps to move the end
         rec["recut"] = {"total_steps": total, "was": self.end_step, "step_s": round(step_s, 5),
                         "seconds_left": round(left, 1)}
         log(f"train: max_seconds {cfg.max_seconds:g}: {step_s * 1000:.1f} ms a step lately, {left:.0f} s left at "
@@ -542,7 +549,7 @@ class Trainer:
     def _cut_to(self, total: int) -> None:
         """The run ends at step `total` (no later than planned); the schedule falls to its floor there."""
         self.met = True
-        self.total_steps = self.end_step = min(total, self.total_steps)
+        self.total_steps = self.end_step = min(total, self.planned_steps)
         self.eval_every = self.cfg.eval_every or max(1, math.ceil(self.total_steps / 20))
 
     @property
