@@ -120,8 +120,8 @@ def eaglet_step(c: DraftConfig, ttt: int, device, train_lm_head: bool, dist: Dis
     obj = TTTObjective(draft, ttt, 0.8, "flex" if cuda else "dense", compiled=cuda)
     model = dist.wrap(obj)
     params = [p for p in draft.parameters() if p.requires_grad]
-    if optimizer.startswith("muon"):  # the trainer's own: Muon for the hidden matrices, AdamW beside it
-        opt = build_optimizer(TrainOptions(optimizer="muon"), draft, cuda, compiled=cuda and optimizer == "muon")
+    if optimizer == "muon":  # the trainer's own: Muon for the hidden matrices, AdamW beside it
+        opt = build_optimizer(TrainOptions(optimizer="muon"), draft, cuda)
     else:
         opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=cuda or None)
 
@@ -325,9 +325,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps after the first")
     ap.add_argument("--train-lm-head", action="store_true", help="train lm_head (speculators 0.9.0 keeps it frozen)")
     ap.add_argument("--check", action="store_true", help="first compare flex and dense attention on the GPU")
-    ap.add_argument("--optimizer", choices=["adamw", "muon", "muon-eager"], default="adamw",
-                    help="eaglet's optimiser: AdamW (what speculators is compared with) or the trainer's Muon + AdamW "
-                         "(muon-eager: its Muon step uncompiled, one eager matrix at a time as torch.optim.Muon steps)")
+    ap.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
+                    help="eaglet's optimiser: AdamW (what speculators is compared with) or the trainer's Muon + AdamW")
     ap.add_argument("--norms", action="store_true", help="eaglet's draft with the recipe's three extra norms")
     ap.add_argument("--draft-vocab", type=int, default=0, help="draft vocabulary size (0: the shape's)")
     ap.add_argument("--profile", default="", help="also profile 4 steps (torch.profiler): tables into this file")

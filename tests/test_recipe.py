@@ -104,58 +104,6 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
     assert list(build_optimizer(_cfg(optimizer="adamw"), draft, cuda=False).parts) == ["adamw"]
 
 
-def _muon_case(opt_cls, state=None, steps=4, **kw):
-    """Three matrices (tall, wide, square) stepped `steps` times by opt_cls on fixed gradients, the lr changed
-    every step as the schedule does; (the matrices, the optimiser)."""
-    torch.manual_seed(0)
-    ps = [torch.nn.Parameter(torch.randn(*s)) for s in ((12, 8), (8, 20), (16, 16))]
-    opt = opt_cls(ps, lr=2e-2, momentum=0.95, weight_decay=0.1, adjust_lr_fn="match_rms_adamw", **kw)
-    if state is not None:
-        opt.load_state_dict(state)
-    for i in range(steps):
-        for p in ps:
-            p.grad = torch.randn_like(p)
-        opt.param_groups[0]["lr"] = 2e-2 * (1 - i / 8)
-        opt.step()
-    return ps, opt
-
-
-def test_stacked_muon_steps_as_torch_muon_does_and_shares_its_checkpoints():
-    """StackedMuon (one function over all matrices, compiled on a GPU) against torch.optim.Muon itself: the same
-    matrices after four steps (up to rounding: the update is added times an fp32 lr instead of as alpha), and
-    each one's state_dict loads into the other and steps on alike."""
-    from remote.train.muon import StackedMuon
-
-    ref, ref_opt = _muon_case(torch.optim.Muon)
-    mine, mine_opt = _muon_case(StackedMuon)
-    for a, b in zip(ref, mine):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
-    ref2, _ = _muon_case(torch.optim.Muon, state=mine_opt.state_dict(), steps=2)
-    mine2, _ = _muon_case(StackedMuon, state=ref_opt.state_dict(), steps=2)
-    for a, b in zip(ref2, mine2):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
-    assert not torch.equal(ref2[0], _muon_case(torch.optim.Muon, steps=2)[0][0])  # the loaded momentum mattered
-
-
-def test_stacked_muon_compiles_once_whatever_the_lr():
-    """Compiled (Inductor on this CPU; on a GPU the same graph): the lr is a tensor, so a new lr each step is not a
-    new graph, and the compiled steps move the matrices as the eager ones do, up to the bf16 Newton-Schulz's
-    rounding (Inductor keeps fused intermediates in fp32: 1-2% of the movement here, where the eager steps
-    match torch.optim.Muon's to 1e-6)."""
-    from torch._dynamo.utils import counters
-
-    from remote.train.muon import StackedMuon
-
-    torch._dynamo.reset()
-    start = _muon_case(StackedMuon, steps=0)[0]
-    eager, _ = _muon_case(StackedMuon)
-    before = counters["stats"]["unique_graphs"]
-    compiled, _ = _muon_case(StackedMuon, compiled=True)
-    assert counters["stats"]["unique_graphs"] - before == 1
-    for s, a, b in zip(start, eager, compiled):
-        assert float((b - a).norm() / (a - s).norm()) < 0.05
-
-
 def test_schedules_warm_up_then_fall_to_the_floor():
     lin = [lr_factor(s, 10, 2, "linear", 0.0) for s in range(10)]
     assert lin[:3] == [0.5, 1.0, 1.0] and lin[-1] == pytest.approx(1 / 8)

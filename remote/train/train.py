@@ -60,7 +60,6 @@ from remote.draft.model import EagleDraft
 from remote.evaluate.evaluate import chain_tally, heldout_plan
 from remote.step import BadInput, StepOutput, begin_step, emit, log, progress, step_main, write_json_atomic
 from remote.train.config import TrainConfig
-from remote.train.muon import StackedMuon
 from remote.train.state import Checkpoints, Distributed, Top1Flags, load_target_head_weights, save_weights
 from remote.train.vocab import DraftVocab
 from remote.train.windows import TrainWindow
@@ -124,7 +123,7 @@ class Trainer:
         self.evaluated = False  # whether this process has evaluated (its first evaluation compiles, on a GPU)
         self.saves = 0  # checkpoints this process has written
         self.saves_s = 0.0  # and their seconds
-        self.opt = build_optimizer(cfg, self.draft, self.cuda, self.compiled)
+        self.opt = build_optimizer(cfg, self.draft, self.cuda)
         self.step_weights = torch.tensor(step_weights(cfg.ttt_steps, cfg.step_decay), device=dist.device)
         self.history: list[dict] = []
         self.evals: list[dict] = []  # the records of history with a held-out evaluation (the best is among them)
@@ -702,18 +701,17 @@ class Optimizers:
             o.load_state_dict(state[name])
 
 
-def build_optimizer(cfg: TrainConfig, draft: EagleDraft, cuda: bool, compiled: bool = False) -> Optimizers:
+def build_optimizer(cfg: TrainConfig, draft: EagleDraft, cuda: bool) -> Optimizers:
     """AdamW for every trainable weight, or (optimizer "muon") Muon for the 2-D hidden matrices (fc, attention,
-    MLP) and AdamW for norms and lm_head (an output layer: Muon's orthogonalised step suits hidden layers).
-    compiled: Muon's step over all its matrices as one compiled function (remote/train/muon.py)."""
+    MLP) and AdamW for norms and lm_head (an output layer: Muon's orthogonalised step suits hidden layers)."""
     named = [(n, p) for n, p in draft.named_parameters() if p.requires_grad]
     muon = [p for n, p in named if cfg.optimizer == "muon" and p.ndim == 2 and not n.startswith("lm_head.")]
     rest = [p for n, p in named if not any(p is q for q in muon)]
     parts = {"adamw": torch.optim.AdamW(rest, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
                                         fused=cuda or None)}
     if muon:
-        parts["muon"] = StackedMuon(muon, lr=cfg.muon_lr or cfg.lr, momentum=cfg.muon_momentum,
-                                    weight_decay=cfg.muon_weight_decay, adjust_lr_fn="match_rms_adamw", compiled=compiled)
+        parts["muon"] = torch.optim.Muon(muon, lr=cfg.muon_lr or cfg.lr, momentum=cfg.muon_momentum,
+                                         weight_decay=cfg.muon_weight_decay, adjust_lr_fn="match_rms_adamw")
     return Optimizers(parts)
 
 
