@@ -65,8 +65,8 @@ class TrainOptions(Checked):
     """with epochs 0: train on about this many tokens, at least 1 and at most 10 epochs"""
     max_seconds: float = bounded(0.0, ge=0)
     """a deadline, in seconds from the train step's start (loading, the top-1 check and compiling count): once
-    the steps' pace is measured the budget above is cut to the steps that fit, and cut again if they slow down
-    (the learning rate schedule follows the cut); 0: none. Not with windows"""
+    the steps' pace is measured the budget above is cut to the steps that fit, and set again to what fits as their
+    pace moves, never past the budget (the learning rate schedule follows); 0: none. Not with windows"""
     # -- the optimiser and its schedule
     optimizer: Literal["muon", "adamw"] = "muon"
     """muon: Muon for the draft's hidden weight matrices, AdamW for the rest; adamw: AdamW for all"""
