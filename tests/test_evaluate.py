@@ -26,7 +26,7 @@ from remote.capture.store import read_shard, write_shard
 from remote.evaluate.online import check_draft, heldout_prompts
 from remote.step import EXIT_BAD_INPUT, BadInput
 from tests.fixtures.export import random_like
-from tests.fixtures.train_inputs import hf_capture
+from tests.fixtures.train_inputs import generated_capture
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_CACHE = Path(os.environ.get("EAGLET_TEST_CACHE", "/tmp/eaglet-test-cache"))
@@ -71,7 +71,7 @@ def world(tmp_path_factory):
 
 
 def _build_world(d: Path) -> SimpleNamespace:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from remote.data import embedded_default
     from remote.train import export
@@ -82,14 +82,10 @@ def _build_world(d: Path) -> SimpleNamespace:
     target = Path(demo["model_dir"])
     prompts = torch.tensor(_text_windows(AutoTokenizer.from_pretrained(target), Path(demo["data_path"]),
                                          N_TRAIN + N_HELDOUT))
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    with torch.no_grad():
-        seqs = torch.cat([model.generate(p, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                                         pad_token_id=0) for p in prompts.split(264)]).tolist()
+    seqs, capture = generated_capture(target, prompts, NEW_TOKENS, d / "capture", layer_ids=(2, 15, 27), per_shard=128)
     masks = [[0] * PROMPT_LEN + [1] * NEW_TOKENS for _ in seqs]
     splits = ["train"] * N_TRAIN + ["heldout"] * N_HELDOUT
     data = write_data(d / "prepare" / "data.parquet", seqs, masks, splits)
-    capture = hf_capture(target, seqs, masks, d / "capture", layer_ids=(2, 15, 27), per_shard=128)
     set_splits(capture, {f"s{i}": sp for i, sp in enumerate(splits)})
     vocab.run({"data": str(data), "target": str(target), "out_dir": str(d / "vocab"), "draft_vocab_size": 2048})
     train.run({"capture_dir": str(capture), "vocab_dir": str(d / "vocab"), "out_dir": str(d / "train"),
