@@ -42,5 +42,6 @@ def test_a_run_after_the_warm_step_finds_its_graphs_compiled(tiny_llama, tmp_pat
                 tmp_path / "run.json", tmp_path / "cache")
     c, h = w["figures"], run["figures"]
     assert w["counts"]["steps"] == 2 and h["compiled_graphs"] == c["compiled_graphs"] >= 3, (c, h)
+    assert c["nice"] >= 10  # it yields the CPU to the capture beside it
     assert h["compile_seconds"] < 0.5 * c["compile_seconds"], (c, h)
     assert sorted(p.name for p in (tmp_path / "w").iterdir()) == ["manifest.json"]
