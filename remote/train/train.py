@@ -521,6 +521,7 @@ class Trainer:
         step_s = statistics.median(self.loop_s) if self.loop_s else rec["seconds"]
         self.held, self.loop_s = self.step, []
         left = cfg.max_seconds - (time.perf_counter() - self.t0)
+
         def others(todo: int) -> float:  # evaluations and checkpoints in `todo` steps; the last step has both
             return ((todo / self.eval_every + 1) * self.eval_s +
                     (todo // cfg.checkpoint_every + 1) * self.saves_s / max(1, self.saves))

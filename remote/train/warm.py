@@ -56,8 +56,8 @@ class WarmConfig(Checked):
     """the synthetic samples' shortest and longest length (they are packed and padded as real ones are)"""
     nice: int = bounded(10, ge=0, le=19)
     """the process's niceness, at least (its compile workers inherit it): the capture beside it is bound by its
-    own host thread's launches, and a compile on every core at the same priority slowed an H200's capture from
-    96 to 175 s"""
+    own host thread's launches; on an H200 host it took 175 s beside a cold compile at its own priority, 96 s
+    beside a cached one"""
 
 
 def synthetic_inputs(cfg: WarmConfig, folder: Path, budget: int) -> tuple[Path, Path]:
