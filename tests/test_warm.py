@@ -3,21 +3,15 @@
 Real parts: the trainer compiled on the CPU (inductor's C++ kernels; on a GPU Triton's), in fresh processes whose
 compile cache is a folder of the test's own (TORCHINDUCTOR_CACHE_DIR), on a capture of the tiny target's own states."""
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.fixtures.train_inputs import LAYER_IDS, REPO, hf_capture, random_chats, save_vocab
+from tests.fixtures.train_inputs import LAYER_IDS, hf_capture, random_chats, run_train, save_vocab
 
 
 def _step(module: str, cfg: dict, path, cache) -> dict:
-    path.write_text(json.dumps(cfg))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": str(cache)}
-    r = subprocess.run([sys.executable, "-m", module, "--config", str(path)], cwd=REPO, env=env, capture_output=True,
-                       text=True, timeout=600)
+    r = run_train(cfg, path, module=module, env={"TORCHINDUCTOR_CACHE_DIR": str(cache)}, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return json.loads((Path(cfg["out_dir"]) / "manifest.json").read_text())
 
