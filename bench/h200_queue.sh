@@ -10,7 +10,8 @@
 # for longer than the machine stays warm lost a whole run on 2026-12-04). The conversion (~41 s) is done once: a
 # call `bash bench/h200_queue.sh none` only converts; the next, at once, runs in the foreground
 # `BUDGET=575 bash bench/h200_queue.sh 1024:/root/qb/a` and copies /root/qb/res/q1024-*/ to $OUT (quality.json, the
-# draft's tar, loss.jsonl, profile.txt, train.log and warm.log: within the 8 files a call brings back).
+# draft's tar, loss.jsonl, profile.txt, train.log and warm.log: within the 8 files a call brings back). PACE=300
+# then runs bench/pace_bench.py on the arm's capture (~2 x 300 steps; give the arm ~90 s less BUDGET), pace.json beside.
 #
 # Before it, on the device: /root/qb/a (PACK/a: data.parquet at 1,024, gguf.part-1), /root/qb/smollm2.gguf
 # (gguf.part-1 + PACK/b/gguf.part-2), /root/qb/d/data.parquet (`bench/eval_bench.py --pack D --conversations 0
@@ -41,6 +42,11 @@ for cut in ${*:-1024:/root/qb/a 2048:/root/qb/d}; do  # arguments: CUT:FOLDER of
     for f in train warm; do  # the logs without their per-step events (a device call brings back 8 files at most)
         grep -v '"event": "progress"\|"event": "train"' $W/$f.log > $R/q$n/$f.log 2>/dev/null
     done
+    if [ -n "${PACE:-}" ]; then  # PACE=STEPS: the trainer's pace on this capture beside synthetic states (before the rm)
+        timeout 300 python3 bench/pace_bench.py --target $M --capture-dir $W/capture --vocab-dir $W/vocab \
+            --steps $PACE --work /root/qb/pace$n --out $R/q$n/pace.json > $R/q$n/pace.log 2>&1
+        echo "pace $n rc=$? $(date +%s)"
+    fi
     rm -rf /dev/shm/q$n
 done
 touch /root/qb/done
