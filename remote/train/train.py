@@ -506,7 +506,7 @@ class Trainer:
         check, the evaluations and checkpoints still to come counted apart at their own. A host-bound step is as
         fast as the host lets it be, and the host's pace moves: on an H200 a run's steps drifted from 43 to 60 ms
         after its cut and it ran 55 s past its deadline (so slower steps cut again; past the deadline, the run ends
-        at this step), and runs whose cut was taken in a slow spell (62-69 ms, then 54-56 ms for the rest) ended
+        at this step), and runs whose cut was taken in a slow spell (62-69 ms, then mostly 54-59 ms) ended
         30-60 s before theirs (so faster ones move the end back up, never past the plan, and only by more than a
         re-check's worth of steps: the total does not flap). The pace is the median of the steps since the last
         check (each its seconds in the loop, evaluations, checkpoints and profile writes apart): a slow spell moves
