@@ -3,7 +3,11 @@
 # conversation cut to 1,024 tokens, as measured before), then the same arm on the same conversations prepared at
 # the prepare step's default max_length, 2,048 (53% of the samples were cut at 1,024). Results into /root/qb/res.
 # Started detached (setsid) by a device call, so no call's 10-minute limit cuts a job; later calls wait on
-# /root/qb/done.
+# /root/qb/done, which a run removes as it starts. The arm's whole 600 s that way: after the conversion call, one call
+# `setsid nohup bash /root/eaglet/bench/h200_queue.sh 1024:/root/qb/a > /root/qb/queue.log 2>&1 &` and, made at
+# once (the machine stays warm 30 s between calls), one that waits:
+# `until [ -e /root/qb/done ]; do sleep 5; done; cp /root/qb/res/q1024-*/* $OUT/` (timeout 600; the arm ends by ~650 s
+# from its start, so start the waiting call within ~40 s of the first).
 #
 # BUDGET=S (seconds instead of the arm's 600) and RESERVE=S (for export and evaluate, default 45) in the environment
 # make an arm fit one device call, so no later call has to come back in time to collect it (a chain of calls broken
@@ -17,6 +21,7 @@
 # (gguf.part-1 + PACK/b/gguf.part-2), /root/qb/d/data.parquet (`bench/eval_bench.py --pack D --conversations 0
 # --dtype bfloat16 --max-length 2048`'s data.parquet), the gguf wheel in /root/site, this tree in /root/eaglet.
 export PYTHONPATH=/root/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+rm -f /root/qb/done  # a call waiting on it waits for this run
 cd /root/eaglet
 R=/root/qb/res; mkdir -p $R
 echo "start $(date +%s)"
