@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     for r in rows:
         print(json.dumps(r), flush=True)
     print(json.dumps({"real_over_synthetic": ratio}))
-    Path(a.out).write_text(json.dumps({"args": {k: v for k, v in vars(a).items()}, "arms": rows,
+    Path(a.out).write_text(json.dumps({"args": vars(a), "arms": rows,
                                        "real_over_synthetic": ratio}, indent=1) + "\n")
     return 0
 

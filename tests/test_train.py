@@ -479,55 +479,48 @@ def test_a_deadline_paces_the_steps_without_the_evaluations_among_them(one_token
     assert cut[0]["step_s"] < 1.5 * own and 4.5 < took <= 6.0 + cut[0]["step_s"], (cut, own)
 
 
+def _paced_run(one_token, tmp_path, before: float, after: float):
+    """A 6-s deadline over steps slowed to `before` seconds until the cut and `after` from it; the finished run's
+    trainer, its seconds, the cut and the re-cuts. Asserts what holds whichever way the steps moved: one cut,
+    re-cut to the last step, the schedule at its floor there, that step evaluated, and a resume keeping the total."""
+    from remote.train.train import lr_factor
+
+    cfg = {**one_token, "lr": 3e-3, "weight_decay": 0.01, "warmup_steps": 1, "max_steps": 0, "epochs": 10.0,
+           "eval_every": 0, "patience": 0, "max_seconds": 6.0, "out_dir": str(tmp_path / "o")}
+    t = _trainer(cfg, tmp_path / "s")
+    step = t.train_step
+    t.train_step = lambda: (time.sleep(after if t.met else before), step())[1]
+    t.run()
+    took = time.perf_counter() - t.t0
+    cut = [r["deadline"] for r in t.history if "deadline" in r]
+    recut = [r["recut"] for r in t.history if "recut" in r]
+    assert len(cut) == 1 and recut and recut[-1]["total_steps"] == t.step == t.total_steps, (cut, recut)
+    assert t.history[-1]["lr"] == pytest.approx(cfg["lr"] * lr_factor(t.step - 1, t.step, 1, "linear", 0))
+    assert "heldout" in t.history[-1]  # the last step is evaluated
+    again = _trainer(cfg, tmp_path / "s")
+    again.resume()
+    assert (again.step, again.total_steps) == (t.step, t.step) and again.finished
+    return t, took, cut[0], recut
+
+
 def test_a_deadline_holds_when_the_steps_slow_down_after_the_cut(one_token, tmp_path):
     """Steps of ~0.05 s until the cut, then ~0.15 s (a host-bound step on a busier host: on an H200 a run's steps went
     from 43 to 60 ms after its cut, and it overran its deadline by 55 s): the total is cut again as the steps go, so
     the run still ends inside its deadline, its schedule at its floor at the new last step; a resume keeps that
     total."""
-    from remote.train.train import lr_factor
-
-    cfg = {**one_token, "lr": 3e-3, "weight_decay": 0.01, "warmup_steps": 1, "max_steps": 0, "epochs": 10.0,
-           "eval_every": 0, "patience": 0, "max_seconds": 6.0, "out_dir": str(tmp_path / "o")}
-    t = _trainer(cfg, tmp_path / "s")
-    step = t.train_step
-    t.train_step = lambda: (time.sleep(0.15 if t.met else 0.05), step())[1]
-    t.run()
-    took = time.perf_counter() - t.t0
-    cut = [r["deadline"] for r in t.history if "deadline" in r]
-    recut = [r["recut"] for r in t.history if "recut" in r]
-    assert len(cut) == 1 and recut and recut[-1]["total_steps"] == t.step == t.total_steps < cut[0]["total_steps"]
+    t, took, cut, recut = _paced_run(one_token, tmp_path, 0.05, 0.15)
+    assert t.step < cut["total_steps"], (cut, recut)
     assert took <= 6.0 + recut[-1]["step_s"], (cut, recut, took)
-    assert t.history[-1]["lr"] == pytest.approx(cfg["lr"] * lr_factor(t.step - 1, t.step, 1, "linear", 0))
-    assert "heldout" in t.history[-1]  # the new last step is evaluated
-    again = _trainer(cfg, tmp_path / "s")
-    again.resume()
-    assert (again.step, again.total_steps) == (t.step, t.step) and again.finished
 
 
 def test_a_deadline_gives_back_the_steps_when_they_speed_up_after_the_cut(one_token, tmp_path):
     """Steps of ~0.15 s until the cut, then ~0.05 s (a cut taken in a slow spell: on an H200 two runs cut at 62-69 ms
-    a step then ran 54-56 ms and ended 30-60 s before their deadlines): the re-check moves the end back up, so the
-    run trains more steps than the cut allowed, still ends inside its deadline, not long before it, its schedule
+    a step then ran mostly 54-59 ms and ended 30-60 s before their deadlines): the re-check moves the end back up, so
+    the run trains more steps than the cut allowed, still ends inside its deadline, not long before it, its schedule
     at its floor at the last step; a resume keeps the last total."""
-    from remote.train.train import lr_factor
-
-    cfg = {**one_token, "lr": 3e-3, "weight_decay": 0.01, "warmup_steps": 1, "max_steps": 0, "epochs": 10.0,
-           "eval_every": 0, "patience": 0, "max_seconds": 6.0, "out_dir": str(tmp_path / "o")}
-    t = _trainer(cfg, tmp_path / "s")
-    step = t.train_step
-    t.train_step = lambda: (time.sleep(0.05 if t.met else 0.15), step())[1]
-    t.run()
-    took = time.perf_counter() - t.t0
-    cut = [r["deadline"] for r in t.history if "deadline" in r]
-    recut = [r["recut"] for r in t.history if "recut" in r]
-    assert len(cut) == 1 and t.planned_steps > cut[0]["total_steps"], (cut, t.planned_steps)
-    assert recut and recut[-1]["total_steps"] == t.step == t.total_steps > 1.5 * cut[0]["total_steps"], (cut, recut)
+    t, took, cut, recut = _paced_run(one_token, tmp_path, 0.15, 0.05)
+    assert t.planned_steps > cut["total_steps"] and t.step > 1.5 * cut["total_steps"], (cut, recut, t.planned_steps)
     assert 6.0 - 1.0 <= took <= 6.0 + recut[-1]["step_s"], (cut, recut, took)
-    assert t.history[-1]["lr"] == pytest.approx(cfg["lr"] * lr_factor(t.step - 1, t.step, 1, "linear", 0))
-    assert "heldout" in t.history[-1]
-    again = _trainer(cfg, tmp_path / "s")
-    again.resume()
-    assert (again.step, again.total_steps) == (t.step, t.step) and again.finished
 
 
 def test_one_slow_step_after_the_cut_costs_its_own_time_only(one_token, tmp_path):

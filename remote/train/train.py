@@ -527,10 +527,11 @@ class Trainer:
                     (todo // cfg.checkpoint_every + 1) * self.saves_s / max(1, self.saves))
 
         todo = self.end_step - self.step
-        if todo * step_s + others(todo) > left:  # past the deadline: this step is the last
-            fit = self._fit(left, others(todo), step_s, least=self.step + (left > others(todo)))
+        ahead = others(todo)
+        if todo * step_s + ahead > left:  # past the deadline: this step is the last
+            fit = self._fit(left, ahead, step_s, least=self.step + (left > ahead))
         else:  # room for more steps: counted with the evaluations and checkpoints they bring
-            fit = self._fit(left, others(todo), step_s, least=self.end_step)
+            fit = self._fit(left, ahead, step_s, least=self.end_step)
             fit = self._fit(left, others(fit - self.step), step_s, least=self.end_step)
         # every rank checks at the same steps and takes part, whatever it found (or the collective would hang)
         total = int(self.dist.all_reduce(torch.tensor(min(fit, self.planned_steps), device=self.dist.device), "min"))
