@@ -420,8 +420,9 @@ def test_profile_steps_writes_the_ops_of_those_steps(inputs, tmp_path):
 def test_a_deadline_cuts_the_budget_to_the_steps_that_fit_and_a_resume_keeps_the_cut(one_token, tmp_path):
     """max_seconds: 10 epochs planned, each step slowed by 100 ms (a bigger draft's pace; the tiny one's steps take
     10-50 ms here, more on a loaded machine): the run is cut once to what fits, held-out evaluations counted, ends
-    inside the deadline (a step's slack) having used most of it, its schedule reaches its floor at the cut's last
-    step, which is evaluated, and a run resumed from its checkpoint keeps the cut."""
+    inside the deadline (a step's slack) having used most of it, its schedule reaches its floor at the last step (the
+    cut's, or a re-cut's where the machine's pace moved), which is evaluated, and a run resumed from its checkpoint
+    keeps it."""
     from remote.train.train import lr_factor
 
     cfg = {**one_token, "lr": 3e-3, "weight_decay": 0.01, "warmup_steps": 1, "max_steps": 0, "epochs": 10.0,
@@ -432,9 +433,11 @@ def test_a_deadline_cuts_the_budget_to_the_steps_that_fit_and_a_resume_keeps_the
     t.run()
     took = time.perf_counter() - t.t0
     cut = [r["deadline"] for r in t.history if "deadline" in r]
-    assert len(cut) == 1 and cut[0]["planned_steps"] == planned and t.step == t.total_steps == cut[0]["total_steps"]
+    # a loaded machine may re-cut it as the steps slow (or move it back up): the run ends at the last total
+    last = [r.get("recut", r.get("deadline")) for r in t.history if "recut" in r or "deadline" in r][-1]
+    assert len(cut) == 1 and cut[0]["planned_steps"] == planned and t.step == t.total_steps == last["total_steps"]
     assert cut[0]["eval_s"] > 0 and t.total_steps < planned, (planned, cut)
-    assert 3.5 < took <= 5.0 + cut[0]["step_s"], cut  # inside the deadline, most of it used
+    assert 3.5 < took <= 5.0 + last["step_s"], (cut, last)  # inside the deadline, most of it used
     assert t.history[-1]["lr"] == pytest.approx(cfg["lr"] * lr_factor(t.step - 1, t.step, 1, "linear", 0))
     assert "heldout" in t.history[-1] and t.eval_every == math.ceil(t.step / 20)
     again = _trainer(cfg, tmp_path / "s")  # the same stage: resumes from the last checkpoint
