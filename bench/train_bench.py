@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from remote.draft.config import DraftConfig  # noqa: E402
-from remote.draft.loss import PackedBatch, TargetHead, TTTObjective  # noqa: E402
+from remote.draft.loss import PackedBatch, TargetHead, TTTObjective, loss_chunk_rows  # noqa: E402
 from remote.draft.model import EagleDraft  # noqa: E402
 from remote.train.config import TrainOptions  # noqa: E402
 from remote.train.train import build_optimizer, optimizer_step, profile_tables  # noqa: E402
@@ -100,7 +100,7 @@ def _target_weights(c: DraftConfig, device, dtype, seed: int = 1):
 
 # ----------------------------------------------------------------------------- the two steps
 def eaglet_step(c: DraftConfig, ttt: int, device, train_lm_head: bool, dist: Distributed, optimizer: str = "adamw",
-                norms: bool = False):
+                norms: bool = False, loss_chunk: int = 0):
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     embed, lm_head, t2d = _target_weights(c, device, dtype)
@@ -117,7 +117,7 @@ def eaglet_step(c: DraftConfig, ttt: int, device, train_lm_head: bool, dist: Dis
         draft.compile_layers()
     head = TargetHead.from_weights(torch.ones(c.hidden_size, device=device, dtype=dtype), lm_head, t2d, c.rms_norm_eps)
     del lm_head
-    obj = TTTObjective(draft, ttt, 0.8, "flex" if cuda else "dense", compiled=cuda)
+    obj = TTTObjective(draft, ttt, 0.8, "flex" if cuda else "dense", compiled=cuda, chunk=loss_chunk)
     model = dist.wrap(obj)
     params = [p for p in draft.parameters() if p.requires_grad]
     if optimizer == "muon":  # the trainer's own: Muon for the hidden matrices, AdamW beside it
@@ -220,7 +220,8 @@ def measure(impl: str, shape: str, ttt: int, args, dist: Distributed) -> dict:
     if impl == "speculators":
         step, model = speculators_step(c, ttt, device, args.train_lm_head)
     else:  # the trainer's pre-pass: the top-1 check once a sample, then the step reads the flags
-        step, model, head = eaglet_step(c, ttt, device, args.train_lm_head, dist, args.optimizer, args.norms)
+        step, model, head = eaglet_step(c, ttt, device, args.train_lm_head, dist, args.optimizer, args.norms,
+                                        args.loss_chunk)
         for i in range(2):  # the first pass compiles nothing but warms the matmuls
             _sync(device)
             t = time.perf_counter()
@@ -258,7 +259,8 @@ def measure(impl: str, shape: str, ttt: int, args, dist: Distributed) -> dict:
            "mfu": round(flops / med / PEAK_BF16, 4) if device.type == "cuda" else None,
            "finite": bool(torch.isfinite(out).all()), **top1, **prof}
     if impl == "eaglet":
-        rec.update(optimizer=args.optimizer, norms=args.norms, draft_vocab=c.draft_vocab_size)
+        rec.update(optimizer=args.optimizer, norms=args.norms, draft_vocab=c.draft_vocab_size,
+                   loss_chunk=args.loss_chunk or loss_chunk_rows(c.draft_vocab_size, device.type == "cuda"))
     if impl != "speculators":  # share of positions the loss counted (step 0), after the top-1 check
         rec["counted_share"] = round(float(out[0, 2]) / args.tokens, 4)
     if device.type == "cuda":
@@ -329,6 +331,8 @@ def main(argv=None) -> int:
                     help="eaglet's optimiser: AdamW (what speculators is compared with) or the trainer's Muon + AdamW")
     ap.add_argument("--norms", action="store_true", help="eaglet's draft with the recipe's three extra norms")
     ap.add_argument("--draft-vocab", type=int, default=0, help="draft vocabulary size (0: the shape's)")
+    ap.add_argument("--loss-chunk", type=int, default=0,
+                    help="rows a chunk of eaglet's fused head and loss (0: the trainer's, remote.draft.loss.loss_chunk_rows)")
     ap.add_argument("--profile", default="", help="also profile 4 steps (torch.profiler): tables into this file")
     ap.add_argument("--out", default="", help="append one JSON line a result here")
     args = ap.parse_args(argv)

@@ -81,6 +81,32 @@ def test_loss_and_gradients_match_the_reference(options):
     assert stats.shape == (K, 3) and torch.equal(stats[:, 2], tgt.counts)
 
 
+def test_the_loss_is_the_same_in_one_chunk_or_many():
+    """The fused head and loss over one chunk of rows (its default at these sizes) and over chunks of 5 rows:
+    the same loss, top-1 counts and gradients; the default chunk bounds its [rows, vocab] logits."""
+    from remote.draft.loss import loss_chunk_rows
+
+    draft, head, _ = setup(seed=5)
+    b = batch([12, 7, 10], seed=5)
+    tgt = head.targets(b, K)
+    runs = []
+    for chunk in (0, 5):
+        obj = TTTObjective(draft, K, 0.8, chunk=chunk)
+        loss, stats = obj(b, tgt, tgt.counts)
+        loss.backward()
+        runs.append((obj.chunk, loss.detach(), stats, {n: p.grad.clone() for n, p in draft.named_parameters()
+                                                       if p.requires_grad}))
+        draft.zero_grad()
+    (whole, l1, s1, g1), (_, l5, s5, g5) = runs
+    assert whole >= len(b.input_ids) > 5  # one chunk, then several
+    assert torch.allclose(l1, l5, rtol=1e-6) and torch.allclose(s1, s5, rtol=1e-6) and torch.equal(s1[:, 1:], s5[:, 1:])
+    for n in g1:
+        assert torch.allclose(g1[n], g5[n], rtol=1e-5, atol=1e-7), n
+    assert loss_chunk_rows(32000, compiled=True) == 8388 and loss_chunk_rows(32000, compiled=False) == 2097
+    assert loss_chunk_rows(163840, compiled=True) * 163840 * 4 <= 1 << 30  # 1 GiB of float32 logits at most
+    assert loss_chunk_rows(10 ** 7, compiled=False) == 256  # a floor: never a row at a time
+
+
 @pytest.mark.parametrize("rope", [{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
 def test_llama3_rope_scaling_slows_only_long_wavelengths(rope):

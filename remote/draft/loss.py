@@ -195,16 +195,25 @@ class HeadSoftCE(torch.autograd.Function):
         return grad_h * go.to(grad_h.dtype), (grad_w * go) if ctx.has_w else None, None, None, None, None, None, None
 
 
+def loss_chunk_rows(vocab: int, compiled: bool) -> int:
+    """Rows of one chunk of the fused head and loss: [rows, vocab] float32 logits of at most 1 GiB compiled
+    (Inductor fuses the two softmaxes and the gradient: a few such buffers live at once), 256 MiB eager (some
+    six live). Fewer chunks, fewer launches: on an H200 (SmolLM2 draft, 32,000-token vocabulary, 8,192 tokens a
+    step) the three HeadSoftCE calls of a step, at 2,048 rows a chunk, took 8.2 ms of the host's ~39 ms a step
+    (bench/results/profile-h200-ten-minutes-20261204c-A.txt); at this size they take one chunk each."""
+    return max(256, (1 << (28 if compiled else 26)) // vocab)
+
+
 class TTTObjective(nn.Module):
     """The draft unrolled over TTT steps, with its loss: the module DDP wraps."""
 
     def __init__(self, draft: EagleDraft, ttt_steps: int = 7, decay: float = 0.8, attention: str = "dense",
-                 compiled: bool = False, chunk: int = 2048):
+                 compiled: bool = False, chunk: int = 0):
         super().__init__()
         if ttt_steps < 1:
             raise ValueError(f"ttt_steps={ttt_steps}: need at least 1")
         self.draft, self.ttt_steps, self.decay, self.attention, self.compiled = draft, ttt_steps, decay, attention, compiled
-        self.chunk = chunk
+        self.chunk = chunk or loss_chunk_rows(draft.lm_head.weight.shape[0], compiled)  # rows a chunk of the loss
         self._chunk_fn = torch.compile(_soft_ce_chunk, dynamic=True) if compiled else _soft_ce_chunk
 
     def forward(self, b: PackedBatch, tgt: StepTargets, denom: torch.Tensor):
