@@ -81,6 +81,23 @@ def test_draft_rotary_equals_vllms_for_the_exported_config(name, tmp_path):
     assert torch.allclose(apply_rope(k, cos, sin).flatten(1), vk, atol=1e-4)
 
 
+def test_plain_rope_is_transformers_own_to_the_bit():
+    """Unscaled rope is computed without transformers (its import costs a step seconds): the same frequencies."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from remote.draft.model import rope_frequencies
+
+    for theta, head_dim in ((10000.0, 64), (500000.0, 128), (100000.0, 16)):
+        d = _draft_config({**KIMI, "rope_scaling": None, "rope_theta": theta})
+        d = DraftConfig(**{**d.to_dict(), "head_dim": head_dim})
+        hf = LlamaRotaryEmbedding(LlamaConfig(hidden_size=d.num_heads * head_dim, num_attention_heads=d.num_heads,
+                                              head_dim=head_dim, rope_parameters={"rope_theta": theta,
+                                                                                  "rope_type": "default"}))
+        inv, scale = rope_frequencies(d)
+        assert torch.equal(inv, hf.inv_freq.float()) and scale == hf.attention_scaling == 1.0
+
+
 def test_scaled_types_really_differ_from_plain_rope():
     """The comparison above could not tell the types apart if they all came out as plain rope."""
     plain = EagleDraft(_draft_config({**KIMI, "rope_scaling": None}))

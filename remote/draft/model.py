@@ -50,7 +50,10 @@ def rope_frequencies(cfg: DraftConfig) -> tuple[torch.Tensor, float]:
     vLLM builds the exported draft's rotary from the same settings (get_rope over the LlamaConfig's
     rope_parameters); tests/test_rope.py checks the two agree for every type in config.ROPE_TYPES.
     The scale is 1 except for yarn (its attention factor multiplies cos and sin, as in vLLM).
+    Unscaled rope is theta ** (-2i / head_dim), written here: importing transformers costs a step 2-4 s.
     """
+    if not cfg.rope_scaling or cfg.rope_scaling.get("rope_type", "default") == "default":
+        return 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim), 1.0
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
