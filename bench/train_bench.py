@@ -271,8 +271,9 @@ def measure(impl: str, shape: str, ttt: int, args, dist: Distributed) -> dict:
 
 
 def profile_steps(step, batches, device, path: str) -> dict:
-    """4 steps under torch.profiler: the ops' table (by device time, then host time) appended to `path`, and how
-    busy the device was over the steps' wall time (a share well under 1: the host's launches and waits bound it)."""
+    """4 steps under torch.profiler: the ops' table (by device time, then host time) appended to `path`, how
+    busy the device was over the steps' wall time (a share well under 1: the host's launches and waits bound it),
+    and the kernel launches and aten ops a step."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -288,10 +289,11 @@ def profile_steps(step, batches, device, path: str) -> dict:
     # (Optimizer.step) the device time of their kernels, so a sum over them counts kernels twice or more
     busy = sum(e.time_range.elapsed_us() for e in p.events() if e.device_type == DeviceType.CUDA) / 1e6
     launches = sum(1 for e in p.events() if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
+    ops = sum(1 for e in p.events() if e.name.startswith("aten::"))  # nested ones too: the host's dispatches
     with open(path, "a") as f:
         f.write(profile_tables(p, device.type == "cuda", f"4 steps, {wall:.3f} s"))
     return {"profiled_wall_s": round(wall, 4), "device_busy_share": round(busy / wall, 3) if busy else None,
-            "launches_per_step": launches / 4}
+            "launches_per_step": launches / 4, "aten_ops_per_step": ops / 4}
 
 
 def check_flex_against_dense(device) -> dict:
