@@ -417,6 +417,11 @@ def test_profile_steps_writes_the_ops_of_those_steps(inputs, tmp_path):
     assert len(cut) == 1 and first == cut[0] + 1, (cut, first)
 
 
+def _totals(rows: list[dict]) -> list[dict]:
+    """The deadline's cut and the re-cuts after it, in order (a loaded machine's pace moves after the cut)."""
+    return [r.get("recut", r.get("deadline")) for r in rows if "recut" in r or "deadline" in r]
+
+
 def test_a_deadline_cuts_the_budget_to_the_steps_that_fit_and_a_resume_keeps_the_cut(one_token, tmp_path):
     """max_seconds: 10 epochs planned, each step slowed by 100 ms (a bigger draft's pace; the tiny one's steps take
     10-50 ms here, more on a loaded machine): the run is cut once to what fits, held-out evaluations counted, ends
@@ -433,8 +438,7 @@ def test_a_deadline_cuts_the_budget_to_the_steps_that_fit_and_a_resume_keeps_the
     t.run()
     took = time.perf_counter() - t.t0
     cut = [r["deadline"] for r in t.history if "deadline" in r]
-    # a loaded machine may re-cut it as the steps slow (or move it back up): the run ends at the last total
-    last = [r.get("recut", r.get("deadline")) for r in t.history if "recut" in r or "deadline" in r][-1]
+    last = _totals(t.history)[-1]  # the run ends at the last total
     assert len(cut) == 1 and cut[0]["planned_steps"] == planned and t.step == t.total_steps == last["total_steps"]
     assert cut[0]["eval_s"] > 0 and t.total_steps < planned, (planned, cut)
     assert 3.5 < took <= 5.0 + last["step_s"], (cut, last)  # inside the deadline, most of it used
@@ -459,7 +463,7 @@ def test_a_deadline_counts_the_checkpoints_still_to_come(one_token, tmp_path):
     t.run()
     took = time.perf_counter() - t.t0
     cut = [r["deadline"] for r in t.history if "deadline" in r]
-    last = [r.get("recut", r.get("deadline")) for r in t.history if "recut" in r or "deadline" in r][-1]
+    last = _totals(t.history)[-1]
     assert len(cut) == 1 and t.step == last["total_steps"] < cut[0]["planned_steps"]
     assert took <= 6.0 + last["step_s"], (cut, last)
 
@@ -479,7 +483,8 @@ def test_a_deadline_paces_the_steps_without_the_evaluations_among_them(one_token
     cut = [r["deadline"] for r in t.history if "deadline" in r]
     assert len(cut) == 1 and [r["step"] for r in t.history if "heldout" in r][0] == 5
     own = 0.1 + statistics.median(r["seconds"] for r in t.history)  # the sleep and the step, on however busy a machine
-    assert cut[0]["step_s"] < 1.5 * own and 4.5 < took <= 6.0 + cut[0]["step_s"], (cut, own)
+    slack = max(c["step_s"] for c in _totals(t.history))  # a step at the slowest pace it was cut at
+    assert cut[0]["step_s"] < 1.5 * own and 4.5 < took <= 6.0 + slack, (cut, own)
 
 
 def _paced_run(one_token, tmp_path, before: float, after: float):
@@ -547,7 +552,7 @@ def test_one_slow_step_after_the_cut_costs_its_own_time_only(one_token, tmp_path
     took = time.perf_counter() - t.t0
     cut = [r["deadline"] for r in t.history if "deadline" in r][0]
     own = 0.05 + statistics.median(r["seconds"] for r in t.history)
-    assert took <= 6.0 + cut["step_s"], (cut, took)
+    assert took <= 6.0 + max(c["step_s"] for c in _totals(t.history)), (cut, took)
     assert t.step >= cut["total_steps"] - 1.0 / own - 10, (cut, t.step, own)
 
 
@@ -562,7 +567,7 @@ def test_two_gloo_processes_meet_a_deadline_at_the_same_step(one_token, tmp_path
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "loss.jsonl").read_text().splitlines()]
     cut = [x["deadline"] for x in rows if "deadline" in x]
-    last = [x.get("recut", x.get("deadline")) for x in rows if "recut" in x or "deadline" in x][-1]  # cut again, maybe
+    last = _totals(rows)[-1]  # cut again, maybe
     m = json.loads((out / "manifest.json").read_text())
     assert len(cut) == 1 and last["total_steps"] == m["counts"]["steps"] == rows[-1]["step"]
     assert m["counts"]["world_size"] == 2 and "heldout" in rows[-1]
