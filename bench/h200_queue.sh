@@ -16,6 +16,9 @@
 # `BUDGET=575 bash bench/h200_queue.sh 1024:/root/qb/a` and copies /root/qb/res/q1024-*/ to $OUT (quality.json, the
 # draft's tar, loss.jsonl, profile.txt, train.log and warm.log: within the 8 files a call brings back). PACE=300
 # then runs bench/pace_bench.py on the arm's capture (~2 x 300 steps; give the arm ~90 s less BUDGET), pace.json beside.
+# CHUNK=1 (in the conversion call: ~3 minutes, the first of its four runs compiling cold) times the train step with the
+# loss in 2,048-row chunks against one chunk a TTT step (remote.draft.loss.loss_chunk_rows), alternating, into
+# /root/qb/res/loss-chunk.jsonl (launches and aten ops a step from each run's 4 profiled steps among its figures).
 #
 # Before it, on the device: /root/qb/a (PACK/a: data.parquet at 1,024, gguf.part-1), /root/qb/smollm2.gguf
 # (gguf.part-1 + PACK/b/gguf.part-2), /root/qb/d/data.parquet (`bench/eval_bench.py --pack D --conversations 0
@@ -36,6 +39,14 @@ open('/root/qb/model_dir','w').write(str(m))
 " || { echo convert failed; touch /root/qb/done; exit 1; }
 M=$(cat /root/qb/model_dir)
 echo "converted $(date +%s) $M"
+if [ -n "${CHUNK:-}" ]; then  # CHUNK=1: the loss in 2,048-row chunks (the old fixed size) against loss_chunk_rows', alternating
+    for c in 2048 0 2048 0; do
+        timeout 240 python3 bench/train_bench.py --shape smollm2 --ttt 3 --tokens 8192 --doc-len 1024 --optimizer muon \
+            --norms --draft-vocab 32000 --steps 48 --warmup 4 --loss-chunk $c --profile $R/loss-chunk-profile.txt \
+            --out $R/loss-chunk.jsonl > /dev/null 2>> $R/loss-chunk.log
+        echo "loss-chunk $c rc=$? $(date +%s)"
+    done
+fi
 for cut in ${*:-1024:/root/qb/a 2048:/root/qb/d}; do  # arguments: CUT:FOLDER of data.parquet ... (none: convert only)
     [ "$cut" = none ] && continue
     n=${cut%%:*}-$(date +%s)  # a fresh work folder and results folder each run (a finished train folder refuses a rerun)
