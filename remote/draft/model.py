@@ -50,14 +50,15 @@ def rope_frequencies(cfg: DraftConfig) -> tuple[torch.Tensor, float]:
     vLLM builds the exported draft's rotary from the same settings (get_rope over the LlamaConfig's
     rope_parameters); tests/test_rope.py checks the two agree for every type in config.ROPE_TYPES.
     The scale is 1 except for yarn (its attention factor multiplies cos and sin, as in vLLM).
-    Unscaled rope is theta ** (-2i / head_dim), written here: importing transformers costs a step 2-4 s.
+    Unscaled rope (DraftConfig keeps rope_scaling None for it) is theta ** (-2i / head_dim), written here:
+    importing transformers costs a step 2-4 s.
     """
-    if not cfg.rope_scaling or cfg.rope_scaling.get("rope_type", "default") == "default":
+    if cfg.rope_scaling is None:
         return 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim), 1.0
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    rope = {"rope_theta": cfg.rope_theta, **(cfg.rope_scaling or {"rope_type": "default"})}
+    rope = {"rope_theta": cfg.rope_theta, **cfg.rope_scaling}
     hf = LlamaConfig(hidden_size=cfg.num_heads * cfg.head_dim, num_attention_heads=cfg.num_heads,
                      head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings,
                      rope_parameters=rope)
