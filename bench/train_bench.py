@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from remote.draft.config import DraftConfig  # noqa: E402
-from remote.draft.loss import PackedBatch, TargetHead, TTTObjective, loss_chunk_rows  # noqa: E402
+from remote.draft.loss import PackedBatch, TargetHead, TTTObjective  # noqa: E402
 from remote.draft.model import EagleDraft  # noqa: E402
 from remote.train.config import TrainOptions  # noqa: E402
 from remote.train.train import build_optimizer, optimizer_step, profile_tables  # noqa: E402
@@ -129,7 +129,7 @@ def eaglet_step(c: DraftConfig, ttt: int, device, train_lm_head: bool, dist: Dis
         stats, _ = optimizer_step(model, head, [batch], opt, params, dist, ttt, 0.5)
         return stats
 
-    return step, draft, head
+    return step, obj, head
 
 
 def speculators_draft(c: DraftConfig, ttt: int, norms: bool = False, attn: str = "simple_flex_attention"):
@@ -260,7 +260,7 @@ def measure(impl: str, shape: str, ttt: int, args, dist: Distributed) -> dict:
            "finite": bool(torch.isfinite(out).all()), **top1, **prof}
     if impl == "eaglet":
         rec.update(optimizer=args.optimizer, norms=args.norms, draft_vocab=c.draft_vocab_size,
-                   loss_chunk=args.loss_chunk or loss_chunk_rows(c.draft_vocab_size, device.type == "cuda"))
+                   loss_chunk=model.chunk)
     if impl != "speculators":  # share of positions the loss counted (step 0), after the top-1 check
         rec["counted_share"] = round(float(out[0, 2]) / args.tokens, 4)
     if device.type == "cuda":
