@@ -895,5 +895,22 @@ def main(argv: list[str] | None = None) -> int:
     return step_main(STEP, run, argv)
 
 
+def exit_rank(rc: int) -> None:
+    """End a torchrun rank without the interpreter's finalization, once its step has written all it writes.
+
+    gloo's worker threads outlive destroy_process_group while DDP holds the group, and one that drops its last
+    collective's tensors (a barrier's, an all_gather_object's) after the main thread has begun finalizing must take
+    the GIL: CPython ends that thread, and the unwind through gloo's loop calls std::terminate (SIGABRT; a core of
+    it: ProcessGroupGloo::runLoop -> ~AsyncBarrierWork -> decref_pyobject -> take_gil -> pthread_exit). About one
+    2-rank run in 12 on a loaded 2-core machine failed so after publishing its draft. Nothing of a rank is left to
+    finalize: its files are closed and renamed into place, its process group destroyed."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    if "EAGLET_UNDER_TORCHRUN" in os.environ:
+        exit_rank(code)
+    raise SystemExit(code)
