@@ -8,6 +8,7 @@ nothing. One in-process engine for the module (vLLM starts in 20-30 s), two in t
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -77,6 +78,21 @@ def test_batched_and_chunked_requests_equal_hf(engine, reference, llama, tmp_pat
 
 @pytest.mark.vllm
 @pytest.mark.slow
+@pytest.mark.vllm
+def test_the_engine_computes_on_every_core_of_a_cpu_host(engine):
+    """vLLM's CPU auto-bind keeps a core out of the model's threads for its scheduler unless told otherwise;
+    on 2 cores that halved the capture (bench/results/capture_reserved-cpu-20261205.json). The worker's
+    threads, together, may run on every core this process may."""
+    import psutil
+
+    workers = [p for p in psutil.Process().children(recursive=True) if "Worker" in " ".join(p.cmdline())]
+    assert len(workers) == 1, [p.cmdline() for p in workers]
+    cores = set()
+    for t in workers[0].threads():
+        cores |= set(psutil.Process(t.id).cpu_affinity())  # a thread's id is a process id to the kernel
+    assert cores == os.sched_getaffinity(0), (cores, os.sched_getaffinity(0))
+
+
 def test_the_transformers_backend_writes_the_same_shards(engine, reference, llama, tmp_path):
     """Packed HF forwards (several samples per pack, positions restarting) against vLLM's shards."""
     samples = random_samples([30, 7, 90, 15, 40, 2], vocab=500, seed=2)

@@ -137,6 +137,10 @@ class VllmCapture:
         log(f"devices: {report.summary}")
         if report.kind == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.cfg.cpu_kvcache_gib))
+            # vLLM's CPU auto-bind keeps a core a rank out of the model's threads for its scheduler; on 2 cores
+            # that halved a TP=1 capture: 1,338-1,392 tokens/s with none kept, 685-711 with one
+            # (bench/results/capture_reserved-cpu-20261205.json). An explicit bind (TP > 1 below) keeps none.
+            os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
             if self.cfg.tensor_parallel_size > 1:
                 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", report.cpu_threads_bind)
         from vllm import LLM
