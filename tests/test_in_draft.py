@@ -49,6 +49,36 @@ def test_precomputed_flags_give_the_same_targets():
     assert not bool(pre.valid.all())
 
 
+def test_a_flag_no_loss_token_follows_is_never_read():
+    """The trainer checks only flag_rows (the rows before a loss token): whatever the other rows' flags hold,
+    the loss's targets and the evaluation's chain counts are the same."""
+    from remote.draft.loss import flag_rows, read_rows
+    from remote.evaluate.evaluate import score_chains
+
+    (head, _, _), b = _head(), _batch([30, 20, 14])
+    g = torch.Generator().manual_seed(4)
+    b.loss_mask = torch.rand(len(b.loss_mask), generator=g) < 0.6  # prompts and answers, mixed
+    full = head.in_draft(b.last)
+    read = torch.cat([flag_rows(b.loss_mask[b.doc_ids == d]) for d in range(3)])
+    assert 0 < int(read.sum()) < len(read)
+    b.in_draft = full
+    logits = head.targets(b, 3).logits
+    guesses = torch.stack([logits[read_rows(len(full), j, "cpu")].argmax(-1) for j in range(3)], 1)  # right wherever known
+    head.other_rows, outcomes = None, []
+    for flags in (full, torch.where(read, full, ~full), torch.where(read, full, False), torch.where(read, full, True),
+                  torch.where(read, ~full, full)):  # the last flips the rows that are read: it must differ
+        b.in_draft = flags
+        tgt = head.targets(b, 3)
+        outcomes.append((tgt.valid, score_chains(guesses, head, b, 3)))
+    def same(a, b):
+        return (torch.equal(a[0], b[0]) and a[1][1:] == b[1][1:] and torch.equal(a[1][0].attempts, b[1][0].attempts)
+                and torch.equal(a[1][0].accepted, b[1][0].accepted))
+
+    assert all(same(o, outcomes[0]) for o in outcomes[1:4])
+    assert not same(outcomes[4], outcomes[0])
+    assert outcomes[0][0].any() and not outcomes[0][0].all() and outcomes[0][1][2] > 0  # some drafts accepted
+
+
 def test_index_carries_the_flags_into_packed_batches(tmp_path):
     g = torch.Generator().manual_seed(2)
     lengths = [9, 5, 12]
@@ -59,8 +89,9 @@ def test_index_carries_the_flags_into_packed_batches(tmp_path):
     write_shard(shard, samples, (1, 2, 3))
     index = CaptureIndex.build(CaptureSet([str(shard)], (1, 2, 3), H, "float32", "t"))
     head = _head()[0]
-    lasts = index.last_states([0, 1, 2])
+    lasts, read = zip(*index.last_states([0, 1, 2]))
     assert [len(x) for x in lasts] == lengths and torch.equal(lasts[1], samples[1].last_hidden_state)
+    assert [r.tolist() for r in read] == [[True] * (n - 1) + [False] for n in lengths]  # every token a loss token
     flags = [head.in_draft(x) for x in lasts]
     index.set_in_draft(flags)
     b = index.load([2, 0], token_budget=64, pad_multiple=8)

@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 
 from remote.capture.store import SHARD_KEYS, CaptureSet, read_rows
-from remote.draft.loss import PackedBatch
+from remote.draft.loss import PackedBatch, flag_rows
 from remote.step import BadInput, log
 
 
@@ -47,9 +47,11 @@ class CaptureIndex:
             raise ValueError(f"in-draft flags do not match the samples ({len(flags)} for {len(self.refs)}; {bad[:3]})")
         self.in_draft = [f.bool().cpu() for f in flags]
 
-    def last_states(self, sample_idxs: list[int]) -> list[torch.Tensor]:
-        """The captured final states of these samples, whole (what TargetHead.in_draft reads)."""
-        return [r["last_hidden_state"] for r in self._read(sample_idxs, ("last_hidden_state",))]
+    def last_states(self, sample_idxs: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The captured final states of these samples, whole, each with the rows whose top-1 flag is ever read
+        (remote.draft.loss.flag_rows): what TargetHead.in_draft needs to read."""
+        return [(r["last_hidden_state"], flag_rows(r["loss_mask"]))
+                for r in self._read(sample_idxs, ("last_hidden_state", "loss_mask"))]
 
     def _read(self, sample_idxs: list[int], keys: tuple[str, ...], limit: int | None = None) -> list[dict]:
         """These samples' rows of `keys` (each cut to `limit`), one shard opened once, in the order asked."""

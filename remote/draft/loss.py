@@ -73,6 +73,15 @@ def read_rows(t: int, k: int, device) -> torch.Tensor:
     return (torch.arange(t, device=device) + 1 + k).clamp(max=t - 1)
 
 
+def flag_rows(loss_mask: torch.Tensor) -> torch.Tensor:
+    """[T] bool, of one sample: the rows whose in-draft flag a loss or an evaluation ever reads. Row r's target
+    distribution is the one for token r + 1 (read_rows), and a step counts it only where that token is a loss
+    token (StepTargets.known): no other row's flag is read."""
+    rows = torch.zeros(len(loss_mask), dtype=torch.bool, device=loss_mask.device)
+    rows[:-1] = loss_mask[1:].bool()
+    return rows
+
+
 def step_weights(ttt_steps: int, decay: float) -> list[float]:
     """The loss weight of each TTT step (decay**k), for the objective and the logged loss alike."""
     return [decay ** k for k in range(ttt_steps)]

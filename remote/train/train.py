@@ -257,14 +257,14 @@ class Trainer:
         for index in wanted + ([self.heldout] if self.heldout is not None else []):
             t0 = time.perf_counter()
             todo = [i for i, r in enumerate(index.refs) if r.sample_id not in known]
-            checked.update(self._precompute_in_draft(head, index, todo))
+            flags, inside, n = self._precompute_in_draft(head, index, todo)
+            checked.update(flags)
             index.set_in_draft([known[r.sample_id] if r.sample_id in known else checked[r.sample_id]
                                 for r in index.refs])
-            n, inside = sum(index.lengths), sum(int(f.sum()) for f in index.in_draft)
             back = f", {len(index.refs) - len(todo)} read back from earlier windows" if store else ""
             log(f"train: target top-1 inside the draft vocabulary at {inside / max(1, n):.2%} of {n} "
-                f"{'train' if index is self.index else 'held-out'} positions ({len(todo)} samples checked in "
-                f"{time.perf_counter() - t0:.1f} s{back})")
+                f"{'train' if index is self.index else 'held-out'} positions before a loss token ({len(todo)} "
+                f"samples checked in {time.perf_counter() - t0:.1f} s{back})")
         if store and checked and self.dist.local_rank == 0:
             store.write(f"w{self.cfg.window:03d}", checked)
 
@@ -277,19 +277,23 @@ class Trainer:
                                           "capture": [c.target, list(c.layer_ids), c.dtype, c.storage_dtype]})
 
     @torch.no_grad()
-    def _precompute_in_draft(self, head: TargetHead, index: CaptureIndex, todo: list[int]) -> dict[str, torch.Tensor]:
-        """The full-vocabulary top-1 check of the index's samples `todo`, once a sample instead of every epoch's step.
+    def _precompute_in_draft(self, head: TargetHead, index: CaptureIndex,
+                             todo: list[int]) -> tuple[dict[str, torch.Tensor], int, int]:
+        """The full-vocabulary top-1 check of the index's samples `todo`, once a sample instead of every epoch's step,
+        at the rows whose flag is ever read (flag_rows: those before a loss token; 70% of the demo's rows); the
+        others' flags stay False, as no loss or evaluation reads them. Returns the flags by sample id, and how many
+        of the rows checked hold a top-1 inside the draft vocabulary, of how many.
 
         Rank r checks every world-th sample, in batches of token_budget rows; the flags are summed
         over the ranks so every rank holds all of them.
         """
         if not todo:  # every rank alike: the same samples, the same files read back
-            return {}
+            return {}, 0, 0
         dev, lengths = self.dist.device, [index.refs[i].length for i in todo]
         offsets = [0]
         for n in lengths:
             offsets.append(offsets[-1] + n)
-        flat = torch.zeros(offsets[-1], dtype=torch.uint8, device=dev)
+        flat = torch.zeros(offsets[-1], dtype=torch.uint8, device=dev)  # 0: not read, 1: outside, 2: inside
         group: list[int] = []
         rows = 0  # in the group
         mine = list(range(self.dist.local_rank, len(todo), self.dist.local_world))
@@ -298,16 +302,20 @@ class Trainer:
             rows += lengths[k]
             if j + 1 < len(mine) and rows + lengths[mine[j + 1]] <= self.cfg.token_budget:
                 continue
-            last = torch.cat(index.last_states([todo[g] for g in group])).to(dev, self.dtype)
+            lasts, read = zip(*index.last_states([todo[g] for g in group]))
+            read = torch.cat(read).to(dev)
+            f = read.to(torch.uint8)
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.amp):
-                f = head.in_draft(last)
+                f[read] += head.in_draft(torch.cat(lasts).to(dev, self.dtype)[read]).to(torch.uint8)
             pos = 0
             for g in group:
                 flat[offsets[g]:offsets[g + 1]] = f[pos:pos + lengths[g]]
                 pos += lengths[g]
             group, rows = [], 0
         flat = self.dist.all_reduce(flat, node=True).cpu()
-        return {index.refs[i].sample_id: flat[offsets[k]:offsets[k + 1]] for k, i in enumerate(todo)}
+        flags = flat == 2
+        return ({index.refs[i].sample_id: flags[offsets[k]:offsets[k + 1]] for k, i in enumerate(todo)},
+                int(flags.sum()), int((flat > 0).sum()))
 
     @torch.no_grad()
     def evaluate(self) -> dict | None:
