@@ -205,6 +205,22 @@ def test_trained_draft_beats_the_random_published_one_and_greedy_stays_lossless(
     assert speedup is not None and speedup > 0 and on["arms"]["baseline"]["greedy"]["speedup"] == 1.0
 
 
+def test_the_cpu_engine_computes_with_a_thread_a_core(monkeypatch):
+    """The in-process CPU engine's torch threads: one a core by default (one fewer left a core idle: 1.35x slower
+    decoding on 2 cores, bench/results/eval_threads-cpu-20261205.json), or what cpu_threads says."""
+    from remote.evaluate.config import OnlineConfig
+    from remote.evaluate.online import _prepare_process
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # undone after the test, as what the function sets
+    threads = torch.get_num_threads()
+    try:
+        for asked, want in ((0, os.cpu_count()), (1, 1)):
+            _prepare_process(OnlineConfig(target="t", draft_dir="d", data="x", tensor_parallel_size=2, cpu_threads=asked))
+            assert torch.get_num_threads() == want, (asked, torch.get_num_threads())
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_generation_stops_at_the_time_budget():
     """The batching loop of every arm's first run, with a plain function standing in for llm.generate."""
     from remote.evaluate.online import generate_within

@@ -46,7 +46,7 @@ class OnlineOptions(Checked):
     cpu_kvcache_gib: int = bounded(1, ge=1)
     """VLLM_CPU_KVCACHE_SPACE on a CPU host, GiB (startup fails on memory without it)"""
     cpu_threads: int = bounded(0, ge=0)
-    """torch threads of the in-process CPU engine (0: all cores but one, at least 1)"""
+    """torch threads of the in-process CPU engine (0: one a core)"""
     seed: int = 0
     """sampling seed of the temperature pass"""
 

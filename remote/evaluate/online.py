@@ -248,9 +248,11 @@ def _prepare_process(cfg: OnlineConfig) -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.cpu_kvcache_gib))
         import torch
 
-        # One thread per core but one (what vLLM's own CPU worker takes); more threads than cores
-        # made speculative decoding 6x slower here (OpenMP barriers on busy cores).
-        torch.set_num_threads(cfg.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
+        # One thread a core: more threads than cores made speculative decoding 6x slower here (OpenMP barriers
+        # on busy cores); one core fewer (what vLLM's own CPU worker keeps for its scheduler, in another
+        # process) left a core idle: 145-151 decode tokens/s for the target alone against 195-200, 100 against
+        # 133-143 with the demo's draft, on 2 cores (bench/results/eval_threads-cpu-20261205.json).
+        torch.set_num_threads(cfg.cpu_threads or os.cpu_count() or 1)
 
 
 def start_engine(cfg: OnlineConfig, arm: str, max_model_len: int):
