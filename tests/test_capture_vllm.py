@@ -77,8 +77,6 @@ def test_batched_and_chunked_requests_equal_hf(engine, reference, llama, tmp_pat
 
 
 @pytest.mark.vllm
-@pytest.mark.slow
-@pytest.mark.vllm
 def test_the_engine_computes_on_every_core_of_a_cpu_host(engine):
     """vLLM's CPU auto-bind keeps a core out of the model's threads for its scheduler unless told otherwise;
     on 2 cores that halved the capture (bench/results/capture_reserved-cpu-20261205.json). The worker's
@@ -93,6 +91,8 @@ def test_the_engine_computes_on_every_core_of_a_cpu_host(engine):
     assert cores == os.sched_getaffinity(0), (cores, os.sched_getaffinity(0))
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_the_transformers_backend_writes_the_same_shards(engine, reference, llama, tmp_path):
     """Packed HF forwards (several samples per pack, positions restarting) against vLLM's shards."""
     samples = random_samples([30, 7, 90, 15, 40, 2], vocab=500, seed=2)
