@@ -303,10 +303,12 @@ class Trainer:
             if j + 1 < len(mine) and rows + lengths[mine[j + 1]] <= self.cfg.token_budget:
                 continue
             lasts, read = zip(*index.last_states([todo[g] for g in group]))
-            read = torch.cat(read).to(dev)
+            read = torch.cat(read)
+            last = torch.cat(lasts)[read].to(dev, self.dtype)  # only the rows checked go to the device
+            read = read.to(dev)
             f = read.to(torch.uint8)
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.amp):
-                f[read] += head.in_draft(torch.cat(lasts).to(dev, self.dtype)[read]).to(torch.uint8)
+                f[read] += head.in_draft(last).to(torch.uint8)
             pos = 0
             for g in group:
                 flat[offsets[g]:offsets[g + 1]] = f[pos:pos + lengths[g]]
