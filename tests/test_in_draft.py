@@ -49,6 +49,30 @@ def test_precomputed_flags_give_the_same_targets():
     assert not bool(pre.valid.all())
 
 
+def test_targets_without_precomputed_flags_check_only_the_rows_read():
+    """The evaluation's offline pass (no pre-pass): TargetHead.targets checks the top-1 at flag_rows of the packed
+    batch alone, and its targets and chain counts are those of flags checked at every row."""
+    from remote.draft.loss import flag_rows, read_rows
+    from remote.evaluate.evaluate import score_chains
+
+    (head, _, _), b = _head(), _batch([30, 20, 14])
+    g = torch.Generator().manual_seed(5)
+    b.loss_mask = torch.rand(len(b.loss_mask), generator=g) < 0.6
+    b.in_draft = head.in_draft(b.last)
+    full = head.targets(b, 3)
+    guesses = torch.stack([full.logits[read_rows(len(b.last), j, "cpu")].argmax(-1) for j in range(3)], 1)
+    want = score_chains(guesses, head, b, 3)
+    b.in_draft, checked, check = None, [], head.in_draft
+    head.in_draft = lambda last, *a: checked.append(len(last)) or check(last, *a)
+    got = head.targets(b, 3)
+    read = flag_rows(b.loss_mask, b.doc_ids)
+    assert checked == [int(read.sum())] and 0 < checked[0] < len(read) - 3  # fewer rows than every row
+    assert torch.equal(got.valid, full.valid) and torch.equal(got.known, full.known)
+    chains = score_chains(guesses, head, b, 3)
+    assert chains[1:] == want[1:] and torch.equal(chains[0].accepted, want[0].accepted)
+    assert not bool(got.valid.all()) and want[2] > 0
+
+
 def test_a_flag_no_loss_token_follows_is_never_read():
     """The trainer checks only flag_rows (the rows before a loss token): whatever the other rows' flags hold,
     the loss's targets and the evaluation's chain counts are the same."""

@@ -73,12 +73,14 @@ def read_rows(t: int, k: int, device) -> torch.Tensor:
     return (torch.arange(t, device=device) + 1 + k).clamp(max=t - 1)
 
 
-def flag_rows(loss_mask: torch.Tensor) -> torch.Tensor:
-    """[T] bool, of one sample: the rows whose in-draft flag a loss or an evaluation ever reads. Row r's target
-    distribution is the one for token r + 1 (read_rows), and a step counts it only where that token is a loss
-    token (StepTargets.known): no other row's flag is read."""
+def flag_rows(loss_mask: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """[T] bool, of one sample (or of a packed batch, given its doc_ids): the rows whose in-draft flag a loss or an
+    evaluation ever reads. Row r's target distribution is the one for token r + 1 (read_rows), and a step counts
+    it only where that token is a loss token of the same sample (StepTargets.known): no other row's flag is read."""
     rows = torch.zeros(len(loss_mask), dtype=torch.bool, device=loss_mask.device)
     rows[:-1] = loss_mask[1:].bool()
+    if doc_ids is not None:
+        rows[:-1] &= doc_ids[1:] == doc_ids[:-1]
     return rows
 
 
@@ -141,8 +143,13 @@ class TargetHead:
     @torch.no_grad()
     def targets(self, b: PackedBatch, ttt_steps: int) -> StepTargets:
         logits = self._normed(b.last) @ self.draft_rows.T
-        in_draft = b.in_draft if b.in_draft is not None else self.in_draft(b.last, logits)
         t = len(b.last)
+        if b.in_draft is not None or self.other_rows is None:
+            in_draft = b.in_draft if b.in_draft is not None else self.in_draft(b.last)
+        else:  # checked where a step reads it (flag_rows); no step reads the other rows' flags, left True
+            read = flag_rows(b.loss_mask, b.doc_ids)
+            in_draft = torch.ones(t, dtype=torch.bool, device=b.last.device)
+            in_draft[read] = self.in_draft(b.last[read], logits[read])
         idx = torch.arange(t, device=b.last.device)
         known = []
         for k in range(ttt_steps):
