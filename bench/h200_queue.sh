@@ -16,6 +16,8 @@
 # `BUDGET=575 bash bench/h200_queue.sh 1024:/root/qb/a` and copies /root/qb/res/q1024-*/ to $OUT (quality.json, the
 # draft's tar, loss.jsonl, profile.txt, train.log and warm.log: within the 8 files a call brings back). PACE=300
 # then runs bench/pace_bench.py on the arm's capture (~2 x 300 steps; give the arm ~90 s less BUDGET), pace.json beside.
+# ONLY=ARM runs that arm of the ten-minutes preset alone (ten-minutes: 8,192 tokens a step; ten-minutes-16k: 16,384);
+# without it every arm of the preset, one after another.
 # CHUNK=1 (in the conversion call: ~3 minutes, the first of its four runs compiling cold) times the train step with the
 # loss in 2,048-row chunks against one chunk a TTT step (remote.draft.loss.loss_chunk_rows), alternating, into
 # /root/qb/res/loss-chunk.jsonl (launches and aten ops a step from each run's 4 profiled steps among its figures).
@@ -50,7 +52,7 @@ fi
 for cut in ${*:-1024:/root/qb/a 2048:/root/qb/d}; do  # arguments: CUT:FOLDER of data.parquet ... (none: convert only)
     [ "$cut" = none ] && continue
     n=${cut%%:*}-$(date +%s)  # a fresh work folder and results folder each run (a finished train folder refuses a rerun)
-    timeout 700 python3 bench/quality_bench.py --model-dir $M --prepared ${cut#*:}/data.parquet --arms ten-minutes \
+    timeout 700 python3 bench/quality_bench.py --model-dir $M --prepared ${cut#*:}/data.parquet --arms ten-minutes ${ONLY:+--only $ONLY} \
         --cache-root /dev/shm/q$n --work /root/qb/work$n --out $R/q$n ${BUDGET:+--budget-s $BUDGET} ${RESERVE:+--reserve-s $RESERVE}
     echo "ten-minutes $n rc=$? $(date +%s) -> $R/q$n"
     W=/root/qb/work$n/ten-minutes  # beside the results: the profile, the loss curve, the trainer's own account of its time
