@@ -55,7 +55,7 @@ for cut in ${*:-1024:/root/qb/a 2048:/root/qb/d}; do  # arguments: CUT:FOLDER of
     timeout 700 python3 bench/quality_bench.py --model-dir $M --prepared ${cut#*:}/data.parquet --arms ten-minutes ${ONLY:+--only $ONLY} \
         --cache-root /dev/shm/q$n --work /root/qb/work$n --out $R/q$n ${BUDGET:+--budget-s $BUDGET} ${RESERVE:+--reserve-s $RESERVE}
     echo "ten-minutes $n rc=$? $(date +%s) -> $R/q$n"
-    W=/root/qb/work$n/ten-minutes  # beside the results: the profile, the loss curve, the trainer's own account of its time
+    A=${ONLY:-ten-minutes}; W=/root/qb/work$n/${A%% *}  # the (first) arm's folder; beside the results: the profile, the loss curve, the trainer's own account of its time
     for d in $W/train $W/train.partial; do cp $d/profile.txt $d/loss.jsonl $R/q$n/ 2>/dev/null; done  # partial: cut off
     for f in train warm; do  # the logs without their per-step events (a device call brings back 8 files at most)
         grep -v '"event": "progress"\|"event": "train"' $W/$f.log > $R/q$n/$f.log 2>/dev/null
