@@ -25,6 +25,12 @@
 # Before it, on the device: /root/qb/a (PACK/a: data.parquet at 1,024, gguf.part-1), /root/qb/smollm2.gguf
 # (gguf.part-1 + PACK/b/gguf.part-2), /root/qb/d/data.parquet (`bench/eval_bench.py --pack D --conversations 0
 # --dtype bfloat16 --max-length 2048`'s data.parquet), the gguf wheel in /root/site, this tree in /root/eaglet.
+# The 2,048-token data travels with the gguf split 39,500,000 / rest (a call carries 64 MiB with the tree): here
+# `python -m remote.data.prepare --config P` (PACK/a's manifest config with max_length 2048) into PACK/c/data.parquet,
+# `head -c 39500000 G > PACK/c/g1; tail -c +39500001 G > PACK/e/g2` (G: part-1 + part-2), the wheel into PACK/c; call 1
+# (carry PACK/c) copies data.parquet to /root/qb/d and g1 to /root/qb/g1 and installs the wheel; call 2 (carry PACK/e),
+# at once, joins and checks the gguf, copies the tree, converts (`none`) and runs the arm in the same call
+# (`ONLY=ten-minutes-16k BUDGET=S bash bench/h200_queue.sh 2048:/root/qb/d`).
 export PYTHONPATH=/root/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 rm -f /root/qb/done  # a call waiting on it waits for this run
 cd /root/eaglet
