@@ -70,6 +70,7 @@ def test_targets_without_precomputed_flags_check_only_the_rows_read():
     assert torch.equal(got.valid, full.valid) and torch.equal(got.known, full.known)
     chains = score_chains(guesses, head, b, 3)
     assert chains[1:] == want[1:] and torch.equal(chains[0].accepted, want[0].accepted)
+    assert torch.equal(chains[0].attempts, want[0].attempts)
     assert not bool(got.valid.all()) and want[2] > 0
 
 
