@@ -130,10 +130,10 @@ class TargetHead:
         The costly part of the targets (2*H*(V - Vd) a row, forward only) and the same in every
         epoch: the trainer computes it once per sample before training (PackedBatch.in_draft).
         """
-        normed = self._normed(last)
         flags = torch.ones(len(last), dtype=torch.bool, device=last.device)
         if self.other_rows is None:
             return flags
+        normed = self._normed(last)
         for a in range(0, len(last), self.chunk):  # chunked: [T, V - Vd] would not fit at 128k vocab
             n = normed[a:a + self.chunk]
             best = (n @ self.draft_rows.T if draft_logits is None else draft_logits[a:a + self.chunk]).max(-1).values
@@ -144,12 +144,13 @@ class TargetHead:
     def targets(self, b: PackedBatch, ttt_steps: int) -> StepTargets:
         logits = self._normed(b.last) @ self.draft_rows.T
         t = len(b.last)
-        if b.in_draft is not None or self.other_rows is None:
-            in_draft = b.in_draft if b.in_draft is not None else self.in_draft(b.last)
+        if b.in_draft is not None:
+            in_draft = b.in_draft
         else:  # checked where a step reads it (flag_rows); no step reads the other rows' flags, left True
-            read = flag_rows(b.loss_mask, b.doc_ids)
             in_draft = torch.ones(t, dtype=torch.bool, device=b.last.device)
-            in_draft[read] = self.in_draft(b.last[read], logits[read])
+            if self.other_rows is not None:
+                read = flag_rows(b.loss_mask, b.doc_ids)
+                in_draft[read] = self.in_draft(b.last[read], logits[read])
         idx = torch.arange(t, device=b.last.device)
         known = []
         for k in range(ttt_steps):
