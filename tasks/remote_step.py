@@ -37,6 +37,9 @@ PROGRESS_LOG_EVERY_S = 30.0  # a progress line in the run log this often while a
 _VLLM_WARNING = re.compile(r"^(\([\w.-]+ pid=\d+\)\s+)?WARNING \d\d-\d\d ")
 _TQDM = re.compile(r"\r|\d+%\|")
 _TRACEBACK = re.compile(r"^(\([\w.-]+ pid=\d+\)\s+)?Traceback \(most recent call last\):")
+# nanobind's leak report as an interpreter with Triton loaded exits (torch imports it on a CPU host too): a
+# header line per kind ("nanobind: leaked 514 functions!"), ten " - leaked ..." lines each, and a link
+_NANOBIND = re.compile(r"^(nanobind: |See https://nanobind\.|\s*- (leaked |\.\.\. skipped remainder))")
 
 
 def config_path(run_dir: str, step: str) -> str:
@@ -163,7 +166,7 @@ def run_step_in_task(host: Host, code: ShippedCode, step: str, config: dict, *, 
             events.append(payload)
     worker.join()
     if noise.count:
-        logger.info("%s: %d engine lines (warnings, tracebacks it survived, progress bars) at debug level",
+        logger.info("%s: %d engine lines (warnings, tracebacks it survived, progress bars, leak reports) at debug level",
                     title, noise.count)
     if "error" in outcome:
         raise outcome["error"]
@@ -177,7 +180,7 @@ def artifact_key(step: str, host_name: str) -> str:
 
 
 class EngineNoise:
-    """Tells the lines of an engine's noise (see _VLLM_WARNING) from the step's own; counts them."""
+    """Tells the lines of an engine's noise (see _VLLM_WARNING, _NANOBIND) from the step's own; counts them."""
 
     def __init__(self):
         self.count, self._in_traceback = 0, False
@@ -190,7 +193,7 @@ class EngineNoise:
             noisy = bool(re.match(r"^[\w.]+(Error|Exception|Warning)\b", line))  # the traceback's last line
             self.count += noisy
             return noisy or self.is_noise(line)
-        noisy = self._in_traceback or bool(_VLLM_WARNING.match(line) or _TQDM.search(line))
+        noisy = self._in_traceback or bool(_VLLM_WARNING.match(line) or _TQDM.search(line) or _NANOBIND.match(line))
         self.count += noisy
         return noisy
 
