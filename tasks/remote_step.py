@@ -33,8 +33,12 @@ _STEP_NAME = re.compile(r"[a-z_][a-z0-9_]*\Z")
 PROGRESS_EVERY_S = 1.0  # at most one progress artifact update a second: the API is not a log
 PROGRESS_LOG_EVERY_S = 30.0  # a progress line in the run log this often while a long step runs
 # Engine output a successful run need not show: vLLM's WARNING lines (a worker's carry a "(Name pid=N) "
-# prefix), tqdm bars (carriage returns, "NN%|"), and the lines of a traceback it printed and survived.
+# prefix), Python's warnings (and the source line under each), torch's C++ ones ("[W1205 06:51:52.300162048
+# utils.cpp:68] Warning: ..."), blank lines, tqdm bars (carriage returns, "NN%|"), and the lines of a traceback
+# it printed and survived.
 _VLLM_WARNING = re.compile(r"^(\([\w.-]+ pid=\d+\)\s+)?WARNING \d\d-\d\d ")
+_PY_WARNING = re.compile(r"^(\([\w.-]+ pid=\d+\)\s+)?\S+\.py:\d+: \w*Warning: ")
+_C10_WARNING = re.compile(r"^(\([\w.-]+ pid=\d+\)\s+)?\[W\d{4} [\d:.]+ (\d+ )?[\w.]+:\d+\] Warning: ")
 _TQDM = re.compile(r"\r|\d+%\|")
 _TRACEBACK = re.compile(r"^(\([\w.-]+ pid=\d+\)\s+)?Traceback \(most recent call last\):")
 # nanobind's leak report as an interpreter with Triton loaded exits (torch imports it on a CPU host too): a
@@ -183,9 +187,11 @@ class EngineNoise:
     """Tells the lines of an engine's noise (see _VLLM_WARNING, _NANOBIND) from the step's own; counts them."""
 
     def __init__(self):
-        self.count, self._in_traceback = 0, False
+        self.count, self._in_traceback, self._after_warning = 0, False, False
 
     def is_noise(self, line: str) -> bool:
+        source_line = self._after_warning and line[:1].isspace()  # the code a Python warning quotes
+        self._after_warning = bool(_PY_WARNING.match(line))
         if _TRACEBACK.match(line):
             self._in_traceback = True
         elif self._in_traceback and not line[:1].isspace():
@@ -193,7 +199,9 @@ class EngineNoise:
             noisy = bool(re.match(r"^[\w.]+(Error|Exception|Warning)\b", line))  # the traceback's last line
             self.count += noisy
             return noisy or self.is_noise(line)
-        noisy = self._in_traceback or bool(_VLLM_WARNING.match(line) or _TQDM.search(line) or _NANOBIND.match(line))
+        noisy = self._in_traceback or source_line or not line.strip() or bool(
+            self._after_warning or _C10_WARNING.match(line) or _VLLM_WARNING.match(line) or _TQDM.search(line)
+            or _NANOBIND.match(line))
         self.count += noisy
         return noisy
 

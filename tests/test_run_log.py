@@ -44,6 +44,11 @@ def test_engine_noise_is_told_from_the_steps_own_lines():
         "See https://nanobind.readthedocs.io/en/latest/refleaks.html": True,
         "train: garbage collection took 0.43 s (2 full collections, 0.34 s of it)": False,
         " - the step's own list item": False,
+        "/v/vllm/triton_utils/dispatcher.py:138: FutureWarning: `torch.distributed.reduce_op` is deprecated": True,
+        '  if hasattr(value, "__dict__"):': True,  # the line the warning quotes
+        "[W1205 06:51:52.300162048 utils.cpp:68] Warning: NUMA binding: Using MEMBIND policy": True,
+        "": True,
+        "  an indented line of the step's own": False,
     }
     noise = EngineNoise()
     assert {line: noise.is_noise(line) for line in lines} == lines
