@@ -60,7 +60,8 @@ from remote.draft.model import EagleDraft
 from remote.evaluate.evaluate import chain_tally, heldout_plan
 from remote.step import BadInput, StepOutput, begin_step, emit, log, progress, step_main, write_json_atomic
 from remote.train.config import TrainConfig
-from remote.train.state import Checkpoints, Distributed, Top1Flags, load_target_head_weights, save_weights
+from remote.train.state import (Checkpoints, Distributed, Top1Flags, cpu_bf16_matmuls, load_target_head_weights,
+                                save_weights)
 from remote.train.vocab import DraftVocab
 from remote.train.windows import TrainWindow
 
@@ -84,8 +85,11 @@ class Trainer:
         self.cuda = dist.device.type == "cuda"
         self.compiled = cfg.compile == "yes" or (cfg.compile == "auto" and self.cuda)
         self.compiled_before = compile_figures() if self.compiled else {}  # the process's own counts are since it began
-        self.amp = cfg.precision == "bf16" or (cfg.precision == "auto" and self.cuda)  # bf16 autocast
+        self.amp = cfg.precision == "bf16" or (cfg.precision == "auto" and (self.cuda or cpu_bf16_matmuls()))
         self.dtype = torch.bfloat16 if self.amp else torch.float32  # of the states fed to the draft
+        if not self.cuda and dist.rank == 0:
+            log(f"train: {'bf16 autocast' if self.amp else 'float32'} on the CPU (precision {cfg.precision}; "
+                f"bf16 in hardware: {'yes' if cpu_bf16_matmuls() else 'no'})")
         # Compiled, every new batch length is a new graph (~30 s each on an H200: a real run of
         # ShareGPT spent its first 5 minutes recompiling); one length, the budget, compiles once and
         # costs only the packing's unfilled tail.
@@ -854,7 +858,7 @@ def _publish_draft(cfg: TrainConfig, out: StepOutput, trainer: Trainer, counts: 
         counts=counts,
         figures=figures,
         train={"final": True, "weights": "model.safetensors", "draft_config": "draft_config.json", "loss_curve": "loss.jsonl",
-               "weights_step": best["step"] if best else trainer.step,
+               "weights_step": best["step"] if best else trainer.step, "precision": "bf16" if trainer.amp else "fp32",
                "layer_ids": list(trainer.capture.layer_ids), "target": str(trainer.target),
                "capture_dir": cfg.capture_dir, "vocab_dir": cfg.vocab_dir, "data_fingerprint": _fingerprint(cfg.capture_dir),
                **_curves(trainer.history)},
