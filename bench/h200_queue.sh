@@ -24,16 +24,8 @@
 #
 # Before it, on the device: /root/qb/a (PACK/a: data.parquet at 1,024, gguf.part-1), /root/qb/smollm2.gguf
 # (gguf.part-1 + PACK/b/gguf.part-2), /root/qb/d/data.parquet (the 2,048-token data), the gguf wheel in /root/site,
-# this tree in /root/eaglet. The 2,048-token data travels beside the gguf in two calls (a call carries 64 MiB with the
-# tree): here `.venv/bin/python bench/eval_bench.py --pack .pack --conversations 0 --dtype bfloat16 --max-length 2048
-# --out /dev/null` (~70 s; .pack/a: data.parquet 24.9 MB, the gguf wheel, the GGUF's first 39.5 MB; .pack/b: the
-# rest, 58.9 MB); call 1 (carry [".pack/a"]): `mkdir -p /root/qb/d /root/site && cp .pack/a/data.parquet /root/qb/d/
-# && cp .pack/a/gguf.part-1 /root/qb/g1 && pip install -q --no-deps --target /root/site .pack/a/gguf-*.whl`; call 2
-# (carry [".pack/b"]), at once: `cat /root/qb/g1 .pack/b/gguf.part-2 > /root/qb/smollm2.gguf && echo "b179c9523d0e6a0f
-# 98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  /root/qb/smollm2.gguf" | sha256sum -c` (one line), copy the tree
-# (`tar --exclude=./.pack --exclude=./.git -cf - . | tar -xf - -C /root/eaglet`), convert (`none`) and run the arm in
-# the same call (`ONLY=ten-minutes BUDGET=S bash bench/h200_queue.sh 2048:/root/qb/d`, then copy
-# /root/qb/res/q2048-*/ to $OUT).
+# this tree in /root/eaglet. bench/h200_carry.sh does it for the 2,048-token data in two calls (a call carries 64 MiB
+# with the tree) and runs this queue on it.
 export PYTHONPATH=/root/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 rm -f /root/qb/done  # a call waiting on it waits for this run
 cd /root/eaglet
