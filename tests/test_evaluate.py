@@ -205,6 +205,13 @@ def test_trained_draft_beats_the_random_published_one_and_greedy_stays_lossless(
     assert speedup is not None and speedup > 0 and on["arms"]["baseline"]["greedy"]["speedup"] == 1.0
 
 
+def test_a_smollm2_draft_trains_in_bf16_where_the_cpu_does_bf16_in_hardware(world):
+    from remote.train.state import cpu_bf16_matmuls
+
+    m = json.loads((world.dir / "train" / "manifest.json").read_text())
+    assert m["train"]["precision"] == ("bf16" if cpu_bf16_matmuls() else "fp32")  # precision auto, H 576
+
+
 def test_the_cpu_engine_computes_with_a_thread_a_core(monkeypatch):
     """The in-process CPU engine's torch threads: one a core by default (one fewer left a core idle: 1.35x slower
     decoding on 2 cores, bench/results/eval_threads-cpu-20261205.json), or what cpu_threads says."""

@@ -63,9 +63,9 @@ def test_streams_loss_and_step_accuracy(reference_run):
     assert train[-1]["loss"] < train[0]["loss"]  # it learns
     m = json.loads((out / "manifest.json").read_text())
     assert m["train"]["layer_ids"] == list(LAYER_IDS) and m["counts"]["steps"] == 4
-    # precision auto: bf16 autocast where this CPU does bf16 in hardware, as on a GPU; float32 elsewhere
-    assert m["train"]["precision"] == ("bf16" if cpu_bf16_matmuls() else "fp32")
-    assert f"bf16 in hardware: {'yes' if cpu_bf16_matmuls() else 'no'}" in r.stderr + r.stdout
+    # precision auto on a CPU: float32 for a draft this narrow (H 64) whatever the CPU does in hardware
+    assert m["train"]["precision"] == "fp32"
+    assert f"bf16 in hardware: {'yes' if cpu_bf16_matmuls() else 'no'}; hidden size 64" in r.stderr + r.stdout
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000004"]
     w = load_file(str(out / "model.safetensors"))
     assert "embed_tokens.weight" not in w and w["fc.weight"].shape == (64, 3 * 64)

@@ -111,8 +111,8 @@ class TrainOptions(Checked):
     device: Literal["auto", "cuda", "cpu"] = "auto"
     """auto (cuda when there is one), cuda or cpu"""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
-    """of the draft's forward: bf16 (autocast over float32 weights) or fp32; auto: bf16 on cuda and on a CPU that
-    does bf16 in hardware (amx_bf16 or avx512_bf16 in /proc/cpuinfo), fp32 on other CPUs"""
+    """of the draft's forward: bf16 (autocast over float32 weights) or fp32; auto: bf16 on cuda, and on a CPU that
+    does bf16 in hardware (amx_bf16 or avx512_bf16 in /proc/cpuinfo) for a draft of hidden size 256 or more; else fp32"""
     compile: Literal["auto", "yes", "no"] = "auto"
     """torch.compile the dense layer parts and flex attention: auto (on cuda), yes or no"""
     pad_multiple: int = bounded(0, ge=0)

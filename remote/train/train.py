@@ -75,6 +75,8 @@ RESUMABLE_CHANGES = ("checkpoint_every", "keep_checkpoints", "log_every", "profi
 WINDOW_CHANGES = ("window", "capture_dir", "out_dir")
 
 
+CPU_BF16_MIN_HIDDEN = 256  # precision auto on a CPU: bf16 autocast from this draft hidden size up
+
 # ----------------------------------------------------------------------------- the run
 class Trainer:
     """Builds the model, optimizer and data plan from a config; `run()` trains to the end."""
@@ -85,17 +87,21 @@ class Trainer:
         self.cuda = dist.device.type == "cuda"
         self.compiled = cfg.compile == "yes" or (cfg.compile == "auto" and self.cuda)
         self.compiled_before = compile_figures() if self.compiled else {}  # the process's own counts are since it began
-        self.amp = cfg.precision == "bf16" or (cfg.precision == "auto" and (self.cuda or cpu_bf16_matmuls()))
-        self.dtype = torch.bfloat16 if self.amp else torch.float32  # of the states fed to the draft
-        if not self.cuda and dist.rank == 0:
-            log(f"train: {'bf16 autocast' if self.amp else 'float32'} on the CPU (precision {cfg.precision}; "
-                f"bf16 in hardware: {'yes' if cpu_bf16_matmuls() else 'no'})")
         # Compiled, every new batch length is a new graph (~30 s each on an H200: a real run of
         # ShareGPT spent its first 5 minutes recompiling); one length, the budget, compiles once and
         # costs only the packing's unfilled tail.
         self.pad = cfg.pad_multiple or (cfg.token_budget if self.compiled else 1)
         inputs = resolve_inputs(cfg)
         self.capture, self.vocab, self.dcfg, self.target = inputs
+        # bf16 autocast on a GPU; on a CPU that does bf16 in hardware, for drafts wide enough that their matmuls
+        # outweigh autocast's casts: measured on an AMX Xeon, the demo's (H 576) step took 0.74x float32's time, the
+        # tests' tiny drafts' (H 64) 1.3-2.5x; the line at 256 lies between the two, not measured itself
+        cpu_bf16 = not self.cuda and self.dcfg.hidden_size >= CPU_BF16_MIN_HIDDEN and cpu_bf16_matmuls()
+        self.amp = cfg.precision == "bf16" or (cfg.precision == "auto" and (self.cuda or cpu_bf16))
+        self.dtype = torch.bfloat16 if self.amp else torch.float32  # of the states fed to the draft
+        if not self.cuda and dist.rank == 0:
+            log(f"train: {'bf16 autocast' if self.amp else 'float32'} on the CPU (precision {cfg.precision}; "
+                f"bf16 in hardware: {'yes' if cpu_bf16_matmuls() else 'no'}; hidden size {self.dcfg.hidden_size})")
         self.index = CaptureIndex.build(self.capture, split="train")
         if cfg.windows and cfg.max_seconds:
             raise BadInput(f"max_seconds {cfg.max_seconds:g} with windows {cfg.windows}: a run in windows plans its "
