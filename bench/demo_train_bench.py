@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="the JSON to write")
     a = ap.parse_args(argv)
     run = Path(a.run).resolve()
-    work = Path(tempfile.mkdtemp(prefix="precision-bench-"))
+    work = Path(tempfile.mkdtemp(prefix="demo-train-bench-"))
     arms = []
     arms_given = json.loads(a.arms)
     names = list(arms_given)

@@ -96,12 +96,13 @@ class Trainer:
         # bf16 autocast on a GPU; on a CPU that does bf16 in hardware, for drafts wide enough that their matmuls
         # outweigh autocast's casts: measured on an AMX Xeon, the demo's (H 576) step took 0.74x float32's time, the
         # tests' tiny drafts' (H 64) 1.3-2.5x; the line at 256 lies between the two, not measured itself
-        cpu_bf16 = not self.cuda and self.dcfg.hidden_size >= CPU_BF16_MIN_HIDDEN and cpu_bf16_matmuls()
+        hw_bf16 = not self.cuda and cpu_bf16_matmuls()  # /proc/cpuinfo, read once
+        cpu_bf16 = hw_bf16 and self.dcfg.hidden_size >= CPU_BF16_MIN_HIDDEN
         self.amp = cfg.precision == "bf16" or (cfg.precision == "auto" and (self.cuda or cpu_bf16))
         self.dtype = torch.bfloat16 if self.amp else torch.float32  # of the states fed to the draft
         if not self.cuda and dist.rank == 0:
             log(f"train: {'bf16 autocast' if self.amp else 'float32'} on the CPU (precision {cfg.precision}; "
-                f"bf16 in hardware: {'yes' if cpu_bf16_matmuls() else 'no'}; hidden size {self.dcfg.hidden_size})")
+                f"bf16 in hardware: {'yes' if hw_bf16 else 'no'}; hidden size {self.dcfg.hidden_size})")
         self.index = CaptureIndex.build(self.capture, split="train")
         if cfg.windows and cfg.max_seconds:
             raise BadInput(f"max_seconds {cfg.max_seconds:g} with windows {cfg.windows}: a run in windows plans its "
