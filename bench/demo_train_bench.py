@@ -30,10 +30,11 @@ STEPS = {"train": "remote.train.train", "export": "remote.train.export", "evalua
 
 
 def cpu_flags() -> dict:
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    name = re.search(r"^model name\s*:\s*(.*)$", text, re.M)
-    flags = set(re.search(r"^flags\s*:\s*(.*)$", text, re.M).group(1).split()) if "flags" in text else set()
-    return {"model": name.group(1) if name else "", **{f: f in flags for f in ("avx512_bf16", "amx_bf16")}}
+    """The CPU's model and its bf16 flags, for the JSON (precision auto reads the same flags)."""
+    from remote.train.state import CPU_BF16_FLAGS, cpu_info
+
+    model, flags = cpu_info()
+    return {"model": model, **{f: f in flags for f in CPU_BF16_FLAGS}}
 
 
 def step(name: str, cfg: dict, work: Path) -> tuple[float, str]:

@@ -26,17 +26,26 @@ from safetensors.torch import load_file, save_file
 from remote.step import BadInput, write_json_atomic
 
 
-def cpu_bf16_matmuls() -> bool:
-    """Whether this CPU does bf16 arithmetic in hardware (/proc/cpuinfo's amx_bf16 or avx512_bf16). The demo's train
-    step took 0.74x the float32 time in bf16 on a 2-core Xeon with AMX (bench/results/precision-cpu-amx-20261205.json;
-    a bf16 matmul of the draft's shapes 7-9x the float32 rate) and ran 1.3x the float32 tokens/s on an EPYC with
-    avx512_bf16 (cpu-precision-demo-20261205.json); without either, bf16 is emulated."""
+CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo's flags of bf16 arithmetic in hardware
+
+
+def cpu_info() -> tuple[str, set[str]]:
+    """This CPU's model name and flags from /proc/cpuinfo (its first processor); ("", set()) where there is none."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    flags = next((line.split() for line in text.splitlines() if line.startswith("flags")), [])
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+        return "", set()
+    field = lambda key: next((ln.split(":", 1)[1].strip() for ln in text.splitlines()  # noqa: E731
+                              if ln.split(":", 1)[0].strip() == key and ":" in ln), "")
+    return field("model name"), set(field("flags").split())
+
+
+def cpu_bf16_matmuls() -> bool:
+    """Whether this CPU does bf16 arithmetic in hardware (amx_bf16 or avx512_bf16). The demo's train step took 0.74x
+    the float32 time in bf16 on a 2-core Xeon with AMX (bench/results/precision-cpu-amx-20261205.json; a bf16 matmul
+    of the draft's shapes 7-9x the float32 rate) and ran 1.3x the float32 tokens/s on an EPYC with avx512_bf16
+    (cpu-precision-demo-20261205.json); without either, bf16 is emulated."""
+    return any(f in cpu_info()[1] for f in CPU_BF16_FLAGS)
 
 
 @dataclass
