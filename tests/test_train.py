@@ -1,6 +1,6 @@
 """The train step on the CPU: 2 gloo processes vs 1 with the same global batch, kill and resume,
 streamed events, bad input. Hidden states are real: the tiny Llama's own, taken with transformers
-(the capture step takes them with vLLM; FACTS.md: the two agree to 5e-7) and written with the
+(the capture step takes them with vLLM; tests/test_capture_vllm.py checks the two agree) and written with the
 capture store's own write_shard (tests/fixtures/train_inputs.py)."""
 import base64
 import json
