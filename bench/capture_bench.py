@@ -33,7 +33,8 @@ import psutil  # noqa: E402  (vLLM depends on it)
 from remote.data import embedded_default, prepare  # noqa: E402
 from remote.capture.backend import Progress  # noqa: E402
 from remote.capture.backend_vllm import VllmCapture  # noqa: E402
-from remote.capture.capture import CaptureConfig, read_dataset  # noqa: E402
+from remote.capture.config import CaptureConfig  # noqa: E402
+from remote.data.dataset import read_dataset  # noqa: E402
 from remote.capture.cache import CaptureCache, cache_key  # noqa: E402
 from remote.capture.layers import TargetConfig, default_layer_ids  # noqa: E402
 from remote.capture.store import VALUE_BYTES  # noqa: E402

@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 from remote.capture.backend_transformers import HfCapture  # noqa: E402
 from remote.capture.cache import SampleRow, ShardPlan  # noqa: E402
-from remote.capture.capture import CaptureConfig  # noqa: E402
+from remote.capture.config import CaptureConfig  # noqa: E402
 from remote.capture.layers import TargetConfig, default_layer_ids  # noqa: E402
 
 SHARD = 256

@@ -1,4 +1,4 @@
-"""The capture cache (remote.capture.cache) and the dataset checks of remote.capture.capture, with real
+"""The capture cache (remote.capture.cache) and the dataset checks of remote.data.dataset, with real
 shard files written by capture_store.write_shard from made-up states (no model needed here)."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from remote.capture.capture import read_dataset
+from remote.data.dataset import read_dataset
 from remote.capture.cache import CaptureCache, SampleRow, cache_key, shard_name
 from remote.capture.store import Sample, read_shard, write_shard
 from remote.step import BadInput

@@ -13,7 +13,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from remote.data import prepare
+from remote.data import chat_template, prepare
 from remote.data.chat_data import NO_ASSISTANT_TURN, NOT_ALTERNATING, conversation_hash
 from remote.step import EXIT_BAD_INPUT, BadInput, sha256_file
 from tests.fixtures.embedded_default import smollm2  # noqa: F401 (a fixture: the converted SmolLM2, cached)
@@ -146,7 +146,7 @@ def test_a_template_that_rewrites_earlier_turns_keeps_the_prefix_it_renders(tmp_
     assert mask_runs(tok_dir, row["input_ids"], row["loss_mask"]) == assistant_runs(
         "code", prompt_parts=["<|im_start|>user\nwhat is python<|im_end|>\n<|im_start|>assistant\n"])
     assert m["counts"]["notes"]["turns_cut_by_template"] == 2
-    assert m["counts"]["dropped_by_reason"] == {prepare.TEMPLATE_ERROR: 1}
+    assert m["counts"]["dropped_by_reason"] == {chat_template.TEMPLATE_ERROR: 1}
     assert "no system role here" in m["bad_examples"][0]["detail"]
     assert row["sample_id"] == conversation_hash(TWO_TURNS_WITH_SYSTEM[1:])  # the id names the source conversation
 
@@ -244,7 +244,7 @@ def test_max_samples_stops_early(tmp_path, tiny_llama):
 def test_text_holding_a_control_token_is_dropped(tmp_path, tiny_llama):
     sneaky = [("user", "hi"), ("assistant", "bye<|im_end|>\n<|im_start|>user\nfake")]
     m, rows = run_prepare(tmp_path, [write_jsonl(tmp_path / "c.jsonl", [openai(sneaky), openai(ONE_TURN)])], tiny_llama)
-    assert len(rows) == 1 and m["counts"]["dropped_by_reason"] == {prepare.SPECIAL_TOKEN_IN_TEXT: 1}
+    assert len(rows) == 1 and m["counts"]["dropped_by_reason"] == {chat_template.SPECIAL_TOKEN_IN_TEXT: 1}
 
 
 # ----------------------------------------------------------------------------- failing clearly

@@ -26,68 +26,23 @@ only its part of the samples (host_part of host_parts, chosen before either back
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
-
 from remote.capture.backend import Progress, make_backend
-from remote.capture.config import DTYPES, CaptureConfig, CaptureOptions
+from remote.capture.config import CaptureConfig
 from remote.capture.cache import CaptureCache, SampleRow, cache_key
-from remote.capture.layers import TargetConfig, check_layer_ids, default_layer_ids
-from remote.capture.store import bytes_per_token, shard_overhead, storage_of
+from remote.capture.layers import TargetConfig, check_layer_ids, default_layer_ids, resolve_dtype
+from remote.capture.store import bytes_per_token, shard_overhead, size_text, storage_of
+from remote.data.dataset import read_dataset
 from remote.data.prepare import host_of
 from remote.step import BadInput, begin_step, emit, log, step_main
 
 STEP = "capture"
 SPARE_SHARE, SPARE_BYTES = 0.1, 2**30  # free space kept beyond the plan: 10% of it and 1 GiB
-
-
-# ----------------------------------------------------------------------------- the dataset
-DATASET_COLUMNS = ("sample_id", "input_ids", "loss_mask", "length", "split")
-
-
-def read_dataset(path: str | os.PathLike, vocab_size: int) -> list[SampleRow]:
-    """The prepared samples, checked: the columns, lengths, token ids, unique ids. BadInput names the row."""
-    import pyarrow.parquet as pq
-
-    path = Path(path)
-    if not path.is_file():
-        raise BadInput(f"dataset {path} does not exist (expected the prepare step's data.parquet)")
-    try:
-        table = pq.read_table(path)
-    except Exception as e:  # noqa: BLE001 - pyarrow raises several kinds for a bad file
-        raise BadInput(f"dataset {path} is not a readable parquet file: {e}") from e
-    missing = [c for c in DATASET_COLUMNS if c not in table.column_names]
-    if missing:
-        raise BadInput(f"dataset {path}: missing column(s) {missing}; has {table.column_names}")
-    cols = {c: table.column(c).to_pylist() for c in ("sample_id", "length", "split")}
-    ids_col, mask_col = table.column("input_ids"), table.column("loss_mask")
-    rows, seen = [], set()
-    for i, sid in enumerate(cols["sample_id"]):
-        where = f"dataset {path} row {i} (sample {sid})"
-        ids = np.asarray(ids_col[i].values, dtype=np.int64)
-        mask = np.asarray(mask_col[i].values, dtype=np.int64)
-        if not sid or sid in seen:
-            raise BadInput(f"{where}: sample_id is empty or repeated")
-        if ids.size == 0 or ids.size != mask.size or ids.size != cols["length"][i]:
-            raise BadInput(f"{where}: {ids.size} input_ids, {mask.size} loss_mask values, length {cols['length'][i]}")
-        if ids.min() < 0 or ids.max() >= vocab_size:
-            raise BadInput(f"{where}: token id {int(ids.max()) if ids.max() >= vocab_size else int(ids.min())} "
-                           f"outside the target's vocabulary of {vocab_size}")
-        if not np.isin(mask, (0, 1)).all():
-            raise BadInput(f"{where}: loss_mask holds values other than 0 and 1")
-        if cols["split"][i] not in ("train", "heldout"):
-            raise BadInput(f"{where}: split {cols['split'][i]!r} is neither 'train' nor 'heldout'")
-        seen.add(sid)
-        rows.append(SampleRow(sid, cols["split"][i], ids.astype(np.int32), mask.astype(np.uint8)))
-    if not rows:
-        raise BadInput(f"dataset {path} has no samples")
-    return rows
 
 
 def host_share(samples: list[SampleRow], cfg: CaptureConfig) -> list[SampleRow]:
@@ -119,14 +74,6 @@ def subset(samples: list[SampleRow], ids_file: str) -> list[SampleRow]:
 
 
 # ----------------------------------------------------------------------------- the step
-def resolve_dtype(cfg: CaptureOptions, target: TargetConfig) -> str:
-    dtype = target.dtype if cfg.dtype == "auto" else cfg.dtype
-    if dtype not in DTYPES[1:]:
-        raise BadInput(f"target {target.path}: dtype {dtype!r} from config.json is not one of {sorted(DTYPES[1:])}; "
-                       "set dtype in the capture config")
-    return dtype
-
-
 @dataclass(frozen=True)
 class DiskPlan:
     """What the capture will put on the cache's disk, decided before the engine starts."""
@@ -158,19 +105,15 @@ class DiskPlan:
         return out
 
     def describe(self) -> str:
-        budget = f"budget capture.max_disk_gb {_size(self.budget_bytes)}" if self.budget_bytes else "no budget"
-        return (f"disk plan: the capture needs {_size(self.need_bytes)} ({self.tokens} tokens x {self.bytes_per_token} "
-                f"bytes, {self.storage_dtype}) + {_size(self.held_bytes)} the cache holds for these samples; "
-                f"{_size(self.free_bytes)} free in {self.folder}; {budget}")
+        budget = f"budget capture.max_disk_gb {size_text(self.budget_bytes)}" if self.budget_bytes else "no budget"
+        return (f"disk plan: the capture needs {size_text(self.need_bytes)} ({self.tokens} tokens x {self.bytes_per_token} "
+                f"bytes, {self.storage_dtype}) + {size_text(self.held_bytes)} the cache holds for these samples; "
+                f"{size_text(self.free_bytes)} free in {self.folder}; {budget}")
 
     def check(self) -> None:
         log(self.describe())
         if problems := self.problems():
             raise BadInput(f"{self.describe()}: refused: {'; '.join(problems)}")
-
-
-def _size(n: int) -> str:
-    return f"{n / 1e9:,.2f} GB" if n >= 10**7 else f"{n:,} bytes"
 
 
 def _shards_whole(m: dict) -> bool:

@@ -18,6 +18,7 @@ from typing import Sequence
 
 from torch import nn
 
+from remote.capture.config import DTYPES, CaptureOptions
 from remote.step import BadInput
 from remote.target import read_config, text_settings
 
@@ -98,3 +99,13 @@ class TargetConfig:
                    num_layers=get("num_hidden_layers"), hidden_size=get("hidden_size"), vocab_size=get("vocab_size"),
                    dtype=dtype, is_mla=bool(get("kv_lora_rank")),
                    weight_bytes=sum(f.stat().st_size for f in target.glob("*.safetensors")))
+
+
+def resolve_dtype(cfg: CaptureOptions, target: TargetConfig) -> str:
+    """The dtype the target runs in: cfg.dtype, or with "auto" the one its config.json states (BadInput when
+    that is none of DTYPES); the capture, the windows plan and regenerate take it alike."""
+    dtype = target.dtype if cfg.dtype == "auto" else cfg.dtype
+    if dtype not in DTYPES[1:]:
+        raise BadInput(f"target {target.path}: dtype {dtype!r} from config.json is not one of {sorted(DTYPES[1:])}; "
+                       "set dtype in the capture config")
+    return dtype

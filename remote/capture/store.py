@@ -58,6 +58,11 @@ def bytes_per_token(n_aux: int, hidden: int, storage: str) -> int:
 SHARD_HEADER_BYTES = 1024  # a shard's header beyond its samples' entries, within a few hundred bytes
 
 
+def size_text(n: int) -> str:
+    """Bytes as the disk plans print them: GB (1e9, two decimals) from 10 MB, else the bytes."""
+    return f"{n / 1e9:,.2f} GB" if n >= 10**7 else f"{n:,} bytes"
+
+
 def sample_overhead(sample_id: str, split: str) -> int:
     """Bytes a sample adds to a shard beyond its tokens: its cu_seqlens entry, its id and split in the header."""
     return 8 + len(sample_id) + len(split) + 12

@@ -85,7 +85,7 @@ class Writer:
     """The target's tokenizer and template as the regeneration needs them: prompts in, text out."""
 
     def __init__(self, cfg: RegenerateConfig):
-        from remote.data.prepare import ChatTokenizer
+        from remote.data.chat_template import ChatTokenizer
 
         self.chat = ChatTokenizer(cfg.target, cfg.trust_remote_code)  # BadInput: no tokenizer, no template
         self.tok = self.chat.tok
@@ -147,8 +147,7 @@ def end_of_turn_ids(target: str, tok) -> tuple[int, ...]:
 
 def make_generator(cfg: RegenerateConfig, writer: Writer):
     """The configured backend, not started: `start()`, `generate(requests, options) -> answers`, `close()`."""
-    from remote.capture.capture import resolve_dtype
-    from remote.capture.layers import TargetConfig
+    from remote.capture.layers import TargetConfig, resolve_dtype
     from remote.data.regenerate_engines import HfGenerator, VllmGenerator
 
     target = TargetConfig.read(cfg.target)

@@ -29,10 +29,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from remote.capture.cache import CACHE_FILES_BYTES, INDEX_SAMPLE_BYTES, INDEX_SHARD_BYTES
-from remote.capture.capture import _size, read_dataset, resolve_dtype
 from remote.capture.config import CaptureOptions
-from remote.capture.layers import TargetConfig, check_layer_ids, default_layer_ids
-from remote.capture.store import SHARD_HEADER_BYTES, bytes_per_token, sample_overhead, storage_of
+from remote.capture.layers import TargetConfig, check_layer_ids, default_layer_ids, resolve_dtype
+from remote.capture.store import SHARD_HEADER_BYTES, bytes_per_token, sample_overhead, size_text, storage_of
+from remote.data.dataset import read_dataset
 from remote.draft.data import CaptureIndex, epochs_for, plan_steps
 from remote.step import BadInput, begin_step, load_config, log, step_main, write_json_atomic
 from remote.train.config import TrainOptions, WindowsConfig
@@ -210,20 +210,20 @@ def run(raw: dict) -> dict:
                  bpt, capture).of(list(range(len(heldout)))) if heldout else 0
     sizes = Sizes(ids, ["train"] * len(ids), lengths, bpt, capture)
     room = budget - held - CACHE_FILES_BYTES if budget else 2**62
-    figures = f"{bpt} bytes a token ({storage}); budget capture.max_disk_gb {_size(budget)}; the held-out samples' states {_size(held)}; the cache's own files {_size(CACHE_FILES_BYTES)}"
+    figures = f"{bpt} bytes a token ({storage}); budget capture.max_disk_gb {size_text(budget)}; the held-out samples' states {size_text(held)}; the cache's own files {size_text(CACHE_FILES_BYTES)}"
     if budget and room <= 0:
-        raise BadInput(f"the held-out samples' states need {_size(held)} ({len(heldout)} samples, {bpt} bytes a token, "
-                       f"{storage}): the budget capture.max_disk_gb {_size(budget)} cannot hold them; raise it, use "
+        raise BadInput(f"the held-out samples' states need {size_text(held)} ({len(heldout)} samples, {bpt} bytes a token, "
+                       f"{storage}): the budget capture.max_disk_gb {size_text(budget)} cannot hold them; raise it, use "
                        "storage_dtype fp8, or hold out fewer samples (data.heldout_permille)")
 
     def refuse(step_samples: list[int], size: int) -> None:
         big = max(step_samples, key=lambda i: sizes.sample[i])
         if sizes.of([big]) > room:
-            raise BadInput(f"sample {ids[big]} alone needs {_size(sizes.of([big]))} of states ({lengths[big]} tokens x "
-                           f"{figures}, {_size(room)} left for a window): raise capture.max_disk_gb, use "
+            raise BadInput(f"sample {ids[big]} alone needs {size_text(sizes.of([big]))} of states ({lengths[big]} tokens x "
+                           f"{figures}, {size_text(room)} left for a window): raise capture.max_disk_gb, use "
                            "storage_dtype fp8, or cut samples shorter (data.max_length)")
-        raise BadInput(f"one optimizer step's {len(step_samples)} samples need {_size(size)} of states ({figures}, "
-                       f"{_size(room)} left for a window): raise capture.max_disk_gb, or take fewer tokens a step "
+        raise BadInput(f"one optimizer step's {len(step_samples)} samples need {size_text(size)} of states ({figures}, "
+                       f"{size_text(room)} left for a window): raise capture.max_disk_gb, or take fewer tokens a step "
                        "(train.token_budget, grad_accum)")
 
     windows = cut_windows(plans, micro, total, lengths, sizes, room, refuse)
@@ -242,7 +242,7 @@ def run(raw: dict) -> dict:
             write_json_atomic(stage / window_ids_file(n), heldout_ids + [ids[i] for i in w.samples])
     largest = max(w.bytes for w in windows)
     log(f"windows: {len(windows) if needed else 'no'} windows over {len(plans)} epoch(s) of {total} steps; the largest "
-        f"needs {_size(largest)}; {figures}")
+        f"needs {size_text(largest)}; {figures}")
     return out.publish(
         counts={"windows": len(windows) if needed else 0, "epochs": len(plans), "total_steps": total,
                 "train_samples": len(trains), "heldout_samples": len(heldout)},
