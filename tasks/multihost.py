@@ -1,6 +1,6 @@
 """Several GPU hosts in one run: which samples each host captures, and how training joins them.
 
-    part = host_of(sample_id, n_hosts)                   # stable: a sample never moves as data grows
+    part = host_of(sample_id, n_hosts)                   # remote.split: a sample never moves as data grows
     plan = rendezvous(hosts, port=29400)                 # one NodeLaunch per host, node 0 first
     with host_slot(*hosts): ...                          # all the hosts, or none (tasks/host_slot.py)
     same_data(datasets, hosts)                           # every host prepared the same samples
@@ -23,7 +23,6 @@ from typing import Any
 
 from prefect import get_run_logger
 
-from remote.data.prepare import host_of  # noqa: F401 - the one split, shared with the remote side (remote.capture.capture)
 from remote.step import MANIFEST, sha256_file
 from tasks.context import RunContext, step_task
 from tasks.errors import BadInputError, RemoteFault

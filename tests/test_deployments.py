@@ -39,8 +39,9 @@ def test_presets_are_valid_parameters():
 
 
 def test_multi_host_preset_plans_a_rendezvous():
+    from remote.split import host_of, split_of
     from tasks.host import HostParams
-    from tasks.multihost import host_of, rendezvous
+    from tasks.multihost import rendezvous
 
     preset = json.loads((REPO / "deployments" / "multi-host.json").read_text())
     hosts = [HostParams.model_validate(h) for h in [preset["host"], *preset["extra_hosts"]]]
@@ -50,8 +51,6 @@ def test_multi_host_preset_plans_a_rendezvous():
     ids = [hashlib.sha256(str(i).encode()).hexdigest() for i in range(200)]  # sample ids are sha256s
     shares = [sum(host_of(s, 2) == h for s in ids) for h in (0, 1)]
     assert min(shares) > 70, f"capture work split {shares}"
-    from remote.data.prepare import split_of
-
     heldout = [s for s in ids if split_of(s, 200) == "heldout"]
     assert {host_of(s, 2) for s in heldout} == {0, 1}, "both hosts capture held-out samples too"
 

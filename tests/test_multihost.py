@@ -24,8 +24,8 @@ import pytest
 
 from flows.params import TrainDraftParams
 from flows.train_draft import train_draft
+from remote.split import host_of
 from tasks.host import open_host
-from tasks.multihost import host_of
 from tests.fixtures.sshd import SSHD, delete_netns, make_netns, start_sshd
 from tests.fixtures.tiny_run import REPO, tiny_params, write_chats
 

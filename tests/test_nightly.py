@@ -16,7 +16,7 @@ import pytest
 from remote.data import delta as data_delta
 from remote.evaluate import promote
 from remote.data.chat_data import ReadReport, read_conversations
-from remote.data.prepare import split_of
+from remote.split import split_of
 from remote.step import EXIT_BAD_INPUT, read_manifest
 
 

@@ -38,7 +38,7 @@ from remote.capture.cache import CaptureCache, SampleRow, cache_key
 from remote.capture.layers import TargetConfig, check_layer_ids, default_layer_ids, resolve_dtype
 from remote.capture.store import bytes_per_token, shard_overhead, size_text, storage_of
 from remote.data.dataset import read_dataset
-from remote.data.prepare import host_of
+from remote.split import host_of
 from remote.step import BadInput, begin_step, emit, log, step_main
 
 STEP = "capture"

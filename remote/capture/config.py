@@ -89,7 +89,7 @@ class CaptureConfig(CaptureOptions):
     """let vLLM / transformers run the target's own code (its config classes)"""
     host_part: int = bounded(0, ge=0)
     """this host's part of a run over host_parts hosts: it captures only the samples with
-    remote.data.prepare.host_of(sample_id, host_parts) == host_part"""
+    remote.split.host_of(sample_id, host_parts) == host_part"""
     host_parts: int = bounded(1, ge=1)
     """hosts that share the capture (1: this one captures all of them)"""
     sample_ids: str = ""

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from remote.data.config import DataDeltaConfig
 from remote.data.chat_data import ReadReport, read_conversations
-from remote.data.prepare import split_of
+from remote.split import split_of
 from remote.step import BadInput, begin_step, log, step_main
 
 STEP = "data_delta"

@@ -42,25 +42,13 @@ from remote.data.chat_data import BadRecord, Conversation, ReadReport, input_fil
 from remote.data.chat_template import ChatTokenizer
 from remote.data.config import PrepareConfig
 from remote.data.dataset import DATA_FILE, DatasetWriter
+from remote.split import split_of
 from remote.step import BadInput, begin_step, log, progress, step_main
 
 STEP = "prepare"
 # Drops by policy, not by bad data: they do not count against max_bad_fraction.
 DUPLICATE, TOO_LONG, NO_LOSS_LEFT = "duplicate", "too_long", "no_loss_tokens_after_truncation"
 POLICY_DROPS = (DUPLICATE, TOO_LONG, NO_LOSS_LEFT)
-
-
-def split_of(sample_id: str, heldout_permille: int) -> str:
-    """The split of a sample, from its hash alone: it never moves as data is added or reordered."""
-    return "heldout" if int(sample_id[:8], 16) % 1000 < heldout_permille else "train"
-
-
-def host_of(sample_id: str, n_hosts: int) -> int:
-    """The host (0..n-1) that captures this sample in a run over n hosts, from its hash alone. Uses
-    other hex digits than split_of (the first 8), so every host gets its share of both splits."""
-    if n_hosts < 1:
-        raise ValueError(f"n_hosts={n_hosts}: need at least one host")
-    return int(sample_id[8:16], 16) % n_hosts
 
 
 # ----------------------------------------------------------------------------- the dataset file

@@ -177,7 +177,7 @@ def sampling_signature(cfg: RegenerateOptions, split: str) -> dict:
 
 def prompts(cfg: RegenerateConfig, report: ReadReport) -> Iterator[Prompt]:
     """The conversations to answer, in input order, once each (the first max_samples of them)."""
-    from remote.data.prepare import split_of
+    from remote.split import split_of
 
     seen: set[str] = set()
     for conv in read_conversations(cfg.inputs, report):
