@@ -38,7 +38,9 @@ from remote.draft.config import DraftConfig  # noqa: E402
 from remote.draft.loss import PackedBatch, TargetHead, TTTObjective  # noqa: E402
 from remote.draft.model import EagleDraft  # noqa: E402
 from remote.train.config import TrainOptions  # noqa: E402
-from remote.train.train import build_optimizer, optimizer_step, profile_tables  # noqa: E402
+from remote.train.optimizers import build_optimizer  # noqa: E402
+from remote.train.profiling import profile_tables  # noqa: E402
+from remote.train.train import optimizer_step  # noqa: E402
 from remote.train.state import Distributed  # noqa: E402
 
 SHAPES = {  # H, heads, kv heads, head dim, intermediate, target vocab, draft vocab

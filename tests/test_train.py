@@ -437,7 +437,7 @@ def test_a_deadline_cuts_the_budget_to_the_steps_that_fit_and_a_resume_keeps_the
     inside the deadline (a step's slack) having used most of it, its schedule reaches its floor at the last step (the
     cut's, or a re-cut's where the machine's pace moved), which is evaluated, and a run resumed from its checkpoint
     keeps it."""
-    from remote.train.train import lr_factor
+    from remote.train.optimizers import lr_factor
 
     cfg = {**one_token, "lr": 3e-3, "weight_decay": 0.01, "warmup_steps": 1, "max_steps": 0, "epochs": 10.0,
            "eval_every": 0, "patience": 0, "max_seconds": 5.0, "out_dir": str(tmp_path / "o")}
@@ -499,7 +499,7 @@ def _paced_run(one_token, tmp_path, before: float, after: float):
     """A 6-s deadline over steps slowed to `before` seconds until the cut and `after` from it; the finished run's
     trainer, its seconds, the cut and the re-cuts. Asserts what holds whichever way the steps moved: one cut,
     re-cut to the last step, the schedule at its floor there, that step evaluated, and a resume keeping the total."""
-    from remote.train.train import lr_factor
+    from remote.train.optimizers import lr_factor
 
     cfg = {**one_token, "lr": 3e-3, "weight_decay": 0.01, "warmup_steps": 1, "max_steps": 0, "epochs": 10.0,
            "eval_every": 0, "patience": 0, "max_seconds": 6.0, "out_dir": str(tmp_path / "o")}

@@ -60,6 +60,8 @@ from remote.draft.model import EagleDraft
 from remote.evaluate.evaluate import chain_tally, heldout_plan
 from remote.step import BadInput, StepOutput, begin_step, emit, log, progress, step_main, write_json_atomic
 from remote.train.config import TrainConfig
+from remote.train.optimizers import build_optimizer, lr_factor
+from remote.train.profiling import GcClock, Profiled, compile_figures
 from remote.train.state import (Checkpoints, Distributed, Top1Flags, cpu_bf16_matmuls, load_target_head_weights,
                                 save_weights)
 from remote.train.vocab import DraftVocab
@@ -595,59 +597,6 @@ class Trainer:
         return sum(1 for r in self.evals if r["step"] > best["step"]) >= self.cfg.patience
 
 
-class Profiled:
-    """torch.profiler over `steps` steps, from the first step at or after `start` (numbered from 1) that is `ready`
-    (a run with a deadline profiles once its pace is taken: profiled steps are slower); the ops by device time, then
-    by host time, written to profile.txt in `folder` (profile.rank<N>.txt for other ranks) when the last one ends."""
-
-    def __init__(self, steps: int, start: int, dist: Distributed, folder: Path):
-        self.steps, self.start, self.dist, self.folder = steps, start, dist, folder
-        self.prof, self.first, self.t0 = None, 0, 0.0
-
-    def before(self, step: int, ready: bool) -> None:
-        if not self.first and step >= self.start and ready:
-            from torch.profiler import ProfilerActivity, profile
-
-            cuda = self.dist.device.type == "cuda"
-            self.prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
-            self.prof.__enter__()
-            self.first, self.t0 = step, time.perf_counter()
-
-    def after(self, step: int, last: bool = False) -> None:
-        """After step `step`; `last`: the run ends here (a shorter run writes what it profiled)."""
-        if self.prof is None or (step < self.first + self.steps - 1 and not last):
-            return
-        if self.dist.device.type == "cuda":
-            torch.cuda.synchronize()
-        wall = time.perf_counter() - self.t0
-        self.prof.__exit__(None, None, None)
-        name = "profile.txt" if self.dist.rank == 0 else f"profile.rank{self.dist.rank}.txt"
-        (self.folder / name).write_text(profile_tables(self.prof, self.dist.device.type == "cuda",
-                                                       f"steps {self.first}-{step} ({wall:.3f} s)"))
-        log(f"train: steps {self.first}-{step} profiled ({wall:.3f} s): {self.folder / name}")
-        self.prof = None
-
-
-def profile_tables(prof, cuda: bool, title: str) -> str:
-    """A torch.profiler run's ops by device time (on a GPU), then by host time, 40 rows each, under `title`."""
-    ka = prof.key_averages()
-    keys = (["self_cuda_time_total"] if cuda else []) + ["self_cpu_time_total"]
-    return "".join(f"== {title}, by {k}\n{ka.table(sort_by=k, row_limit=40)}\n" for k in keys)
-
-
-def compile_figures(since: dict | None = None) -> dict:
-    """This process's torch.compile so far, or since the figures `since`: seconds compiling (dynamo's own count,
-    inductor's code generation and the kernels' builds included) and graphs compiled."""
-    from torch._dynamo.utils import compile_times, counters
-
-    names, seconds = compile_times(repr="csv", aggregate=True)
-    now = {"compile_seconds": float(dict(zip(names, seconds)).get("_compile.compile_inner", 0)),
-           "compiled_graphs": int(counters["stats"]["unique_graphs"])}
-    since = since or {}
-    return {"compile_seconds": round(now["compile_seconds"] - since.get("compile_seconds", 0.0), 2),
-            "compiled_graphs": now["compiled_graphs"] - since.get("compiled_graphs", 0)}
-
-
 def best_eval(history: list[dict]) -> dict | None:
     """The step record with the highest held-out acceptance length (the earliest of equals); None: no evaluation.
 
@@ -658,90 +607,6 @@ def best_eval(history: list[dict]) -> dict | None:
         if "heldout" in r and (best is None or r["heldout"]["acceptance_length"] > best["heldout"]["acceptance_length"]):
             best = r
     return best
-
-
-class GcClock:
-    """The seconds the interpreter spends collecting garbage while it lives, and how many collections, by
-    generation (gc.callbacks)."""
-
-    def __init__(self):
-        self.seconds, self.count, self._t = [0.0] * 3, [0] * 3, 0.0
-        gc.callbacks.append(self._tick)
-
-    def _tick(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._t = time.perf_counter()
-        else:
-            self.seconds[info["generation"]] += time.perf_counter() - self._t
-            self.count[info["generation"]] += 1
-
-    def close(self) -> None:
-        gc.callbacks.remove(self._tick)
-
-
-# ----------------------------------------------------------------------------- the optimiser
-def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: float) -> float:
-    """The learning rate of optimizer step `step` (from 0) as a share of the peak: a linear warmup
-    over `warmup` steps, then down to min_ratio at `total`, along a line or a half cosine."""
-    if step < warmup:
-        return (step + 1) / warmup
-    frac = min(1.0, (step - warmup) / max(1, total - warmup))
-    fall = 1 - frac if schedule == "linear" else 0.5 * (1 + math.cos(math.pi * frac))
-    return min_ratio + (1 - min_ratio) * fall
-
-
-class Optimizers:
-    """AdamW alone, or Muon beside it: stepped, zeroed, saved and scheduled as one optimiser.
-
-    The schedule sets each group's lr to its peak (`peak_lr`, kept in the group and so in the
-    checkpoint) times the step's factor: the learning rate is a function of the step alone.
-    """
-
-    def __init__(self, parts: dict[str, torch.optim.Optimizer]):
-        self.parts = parts
-        for g in self.param_groups:
-            g["peak_lr"] = g["lr"]
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return [g for o in self.parts.values() for g in o.param_groups]
-
-    def set_lr(self, factor: float) -> float:
-        """Every group at factor x its peak; returns the first group's lr (what the log shows)."""
-        for g in self.param_groups:
-            g["lr"] = g["peak_lr"] * factor
-        return self.param_groups[0]["lr"]
-
-    def step(self) -> None:
-        for o in self.parts.values():
-            o.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for o in self.parts.values():
-            o.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self) -> dict:
-        return {name: o.state_dict() for name, o in self.parts.items()}
-
-    def load_state_dict(self, state: dict) -> None:
-        if set(state) != set(self.parts):
-            raise BadInput(f"the checkpoint's optimiser holds {sorted(state)}, this run's {sorted(self.parts)}")
-        for name, o in self.parts.items():
-            o.load_state_dict(state[name])
-
-
-def build_optimizer(cfg: TrainConfig, draft: EagleDraft, cuda: bool) -> Optimizers:
-    """AdamW for every trainable weight, or (optimizer "muon") Muon for the 2-D hidden matrices (fc, attention,
-    MLP) and AdamW for norms and lm_head (an output layer: Muon's orthogonalised step suits hidden layers)."""
-    named = [(n, p) for n, p in draft.named_parameters() if p.requires_grad]
-    muon = [p for n, p in named if cfg.optimizer == "muon" and p.ndim == 2 and not n.startswith("lm_head.")]
-    rest = [p for n, p in named if not any(p is q for q in muon)]
-    parts = {"adamw": torch.optim.AdamW(rest, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
-                                        fused=cuda or None)}
-    if muon:
-        parts["muon"] = torch.optim.Muon(muon, lr=cfg.muon_lr or cfg.lr, momentum=cfg.muon_momentum,
-                                         weight_decay=cfg.muon_weight_decay, adjust_lr_fn="match_rms_adamw")
-    return Optimizers(parts)
 
 
 def optimizer_step(model, head: TargetHead, batches, opt, params, dist: Distributed, ttt_steps: int,
