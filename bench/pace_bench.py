@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.eval_bench import run_step  # noqa: E402
-from remote.train.vocab import DraftVocab  # noqa: E402
+from remote.draft.vocab import DraftVocab  # noqa: E402
 from remote.train.warm import WarmConfig, synthetic_inputs  # noqa: E402
 
 RECIPE = {"ttt_steps": 3, "token_budget": 8192, "optimizer": "muon", "train_lm_head": False,

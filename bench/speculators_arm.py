@@ -19,7 +19,7 @@ sample of n tokens trains n - 1 rows).
 The trained draft is written as eaglet's export (remote.train.export's file names and config.json,
 the norm flags set), so remote.evaluate measures it exactly as it measures eaglet's. The manifest
 also holds `own_forward`: speculators' own forward on the held-out split, its guesses scored by
-remote.evaluate's chain math (score_chains, the same batches as the evaluate step): equal figures
+remote.evaluate.chains' chain math (score_chains, the same batches as the evaluate step): equal figures
 prove the conversion. Nothing here is speculators' code copied: it is imported.
 """
 from __future__ import annotations
@@ -39,11 +39,11 @@ from remote.draft.config import DraftConfig
 from remote.draft.data import CaptureIndex, epoch_order, pack
 from remote.draft.loss import PackedBatch, TargetHead
 from remote.evaluate.acceptance import ChainCounts
-from remote.evaluate.evaluate import heldout_plan, score_chains
+from remote.evaluate.chains import heldout_plan, score_chains
 from remote.step import BadInput, StepOutput, load_config, log, step_main, write_json_atomic
 from remote.train.export import DTYPES, vllm_config
 from remote.train.state import load_target_head_weights
-from remote.train.vocab import DraftVocab
+from remote.draft.vocab import DraftVocab
 
 STEP = "speculators_arm"
 NORM_FLAGS = ("norm_before_fc", "norm_before_residual", "norm_output")

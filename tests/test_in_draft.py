@@ -53,7 +53,7 @@ def test_targets_without_precomputed_flags_check_only_the_rows_read():
     """The evaluation's offline pass (no pre-pass): TargetHead.targets checks the top-1 at flag_rows of the packed
     batch alone, and its targets and chain counts are those of flags checked at every row."""
     from remote.draft.loss import flag_rows, read_rows
-    from remote.evaluate.evaluate import score_chains
+    from remote.evaluate.chains import score_chains
 
     (head, _, _), b = _head(), _batch([30, 20, 14])
     g = torch.Generator().manual_seed(5)
@@ -78,7 +78,7 @@ def test_a_flag_no_loss_token_follows_is_never_read():
     """The trainer checks only flag_rows (the rows before a loss token): whatever the other rows' flags hold,
     the loss's targets and the evaluation's chain counts are the same."""
     from remote.draft.loss import flag_rows, read_rows
-    from remote.evaluate.evaluate import score_chains
+    from remote.evaluate.chains import score_chains
 
     (head, _, _), b = _head(), _batch([30, 20, 14])
     g = torch.Generator().manual_seed(4)

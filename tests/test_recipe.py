@@ -9,7 +9,7 @@ from remote.draft.config import DraftConfig
 from remote.draft.data import epoch_order, pack
 from remote.draft.loss import PackedBatch, TargetHead, TTTObjective
 from remote.draft.model import EagleDraft
-from remote.evaluate.evaluate import chain_of_batch, heldout_plan
+from remote.evaluate.chains import chain_of_batch, heldout_plan
 from remote.train.optimizers import build_optimizer, lr_factor
 from remote.train.train import TrainConfig
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from remote.step import EXIT_BAD_INPUT
-from remote.train.vocab import DraftVocab, choose_vocab
+from remote.draft.vocab import DraftVocab
+from remote.train.vocab import choose_vocab
 from remote.train.vocab import main as vocab_main
 
 

@@ -29,9 +29,9 @@ from safetensors.torch import load_file, save_file
 
 from remote.draft.config import DraftConfig
 from remote.draft.model import EagleDraft
+from remote.draft.vocab import DraftVocab
 from remote.step import BadInput, begin_step, log, read_manifest, step_main, write_json_atomic
 from remote.train.config import ExportConfig
-from remote.train.vocab import DraftVocab
 
 STEP = "export"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

@@ -22,7 +22,7 @@ linear warmup, then a linear or cosine fall to min_lr_ratio over the budget (max
 train_tokens, or epochs, or by default auto_train_tokens' worth of the data; a deadline, max_seconds, cuts
 it to the steps that fit at the pace the run measures, and again if the steps slow down). Every `eval_every`
 steps the draft's offline acceptance length on the held-out split is measured with the evaluate
-step's own chain count (remote.evaluate.evaluate.chain_tally, no engine); the best draft is kept
+step's own chain count (remote.evaluate.chains.chain_tally, no engine); the best draft is kept
 aside (checkpoints/best-N/) and the run stops after `patience` evaluations without a better one.
 
 Writes out_dir/model.safetensors (the best held-out draft's weights, or the last ones when there
@@ -57,14 +57,14 @@ from remote.draft.config import DraftConfig
 from remote.draft.data import CaptureIndex, epochs_for, plan_steps
 from remote.draft.loss import TargetHead, TTTObjective, step_weights
 from remote.draft.model import EagleDraft
-from remote.evaluate.evaluate import chain_tally, heldout_plan
+from remote.draft.vocab import DraftVocab
+from remote.evaluate.chains import chain_tally, heldout_plan
 from remote.step import BadInput, StepOutput, begin_step, emit, log, progress, step_main, write_json_atomic
 from remote.train.config import TrainConfig
 from remote.train.optimizers import build_optimizer, lr_factor
 from remote.train.profiling import GcClock, Profiled, compile_figures
 from remote.train.state import (Checkpoints, Distributed, Top1Flags, cpu_bf16_matmuls, load_target_head_weights,
                                 save_weights)
-from remote.train.vocab import DraftVocab
 from remote.train.windows import TrainWindow
 
 STEP = "train"

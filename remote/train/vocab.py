@@ -19,47 +19,18 @@ target id is in the draft vocabulary.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
 
+from remote.data.dataset import DATA_FILE
+from remote.draft.vocab import VOCAB_FILE, DraftVocab
 from remote.step import BadInput, begin_step, log, progress, step_main
 from remote.target import read_config, text_settings
 from remote.train.config import VocabConfig
 
 STEP = "vocab"
-VOCAB_FILE = "vocab.safetensors"
-
-
-@dataclass(frozen=True)
-class DraftVocab:
-    d2t: torch.Tensor  # [n] int64
-    t2d: torch.Tensor  # [V] bool
-    counts: torch.Tensor  # [V] int64
-
-    @property
-    def draft_ids(self) -> torch.Tensor:
-        """Target id of each draft id, ascending."""
-        return torch.arange(len(self.d2t)) + self.d2t
-
-    @property
-    def coverage(self) -> float:
-        total = int(self.counts.sum())
-        return float(self.counts[self.t2d].sum()) / total if total else 0.0
-
-    def save(self, path: str | Path) -> None:
-        save_file({"d2t": self.d2t, "t2d": self.t2d, "counts": self.counts}, str(path))
-
-    @classmethod
-    def load(cls, vocab_dir: str | Path) -> "DraftVocab":
-        p = Path(vocab_dir) / VOCAB_FILE
-        if not p.is_file():
-            raise BadInput(f"{vocab_dir}: no {VOCAB_FILE} (run the vocab step first)")
-        t = load_file(str(p))
-        return cls(t["d2t"], t["t2d"], t["counts"])
 
 
 def choose_vocab(counts: np.ndarray | torch.Tensor, draft_vocab_size: int) -> DraftVocab:
@@ -137,7 +108,7 @@ def run(raw: dict) -> dict:
     if done is not None:
         return done
     data = Path(cfg.data)
-    parquet = data / "data.parquet" if data.is_dir() else data
+    parquet = data / DATA_FILE if data.is_dir() else data
     if not parquet.is_file():
         raise BadInput(f"data {cfg.data}: no data.parquet there (run the prepare step first)")
     vsize = _target_vocab_size(cfg)

@@ -1,0 +1,90 @@
+"""The offline acceptance tally: a draft's chains of guesses over packed batches, scored against the target.
+
+    plan = heldout_plan(index, token_budget, max_tokens)        # held-out batches, by sample id
+    tally = chain_tally(draft, head, batches, steps, k)          # ChainTally: counts, replayed drafts/accepted
+    tally.all_reduce(dist).summary(k)                            # the figures (every rank's batches summed)
+
+The evaluate step and the trainer's held-out evaluation both count here, so the two figures are the same
+measure; the chain math is remote.evaluate.acceptance, the unroll and alignment remote.draft.loss.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from remote.evaluate.acceptance import ChainCounts, chain_counts, greedy_walk, leading_right, turn_spans
+
+
+def chain_of_batch(draft, head, b, steps: int, k: int, attention: str = "dense",
+                   compiled: bool = False) -> tuple[ChainCounts, int, int]:
+    """Chain counts of one packed batch (start row t, step j guesses token t+2+j from token t+1+j:
+    remote.draft.loss.unroll, the training objective's own) and (drafts, accepted) of greedy
+    decoding with k speculative tokens replayed along its turns."""
+    from remote.draft.loss import unroll
+    from remote.draft.model import TTTAttention
+
+    guesses = [draft.lm_head(normed).argmax(-1)
+               for _, normed in unroll(draft, b, steps, TTTAttention(b.doc_ids, attention, compiled))]
+    return score_chains(torch.stack(guesses, 1), head, b, k)
+
+
+def score_chains(guesses: torch.Tensor, head, b, k: int) -> tuple[ChainCounts, int, int]:
+    """Chain counts and the greedy replay (drafts, accepted) of any draft's guesses [T, steps] (draft
+    ids; row t, step j guesses token t+2+j) against the target's top-1 on this packed batch."""
+    from remote.draft.loss import read_rows
+
+    t, steps = guesses.shape
+    tgt = head.targets(b, steps)
+    truths = []
+    for j in range(steps):
+        nxt = read_rows(t, j, b.input_ids.device)  # the target's top-1 there is the one to match
+        # outside the draft vocabulary the target's choice cannot be guessed: -1 never matches
+        truths.append(torch.where(tgt.in_draft[nxt], tgt.logits[nxt].argmax(-1), torch.full_like(nxt, -1)))
+    g, tr, kn = guesses.cpu(), torch.stack(truths, 1).cpu(), tgt.known.T.cpu()
+    drafts, accepted = greedy_walk(leading_right(g, tr, kn).tolist(), turn_spans(b.loss_mask.cpu(), b.doc_ids.cpu()), k)
+    return chain_counts(g, tr, kn), drafts, accepted
+
+
+@dataclass
+class ChainTally:
+    """Chain counts, replayed (drafts, accepted) and tokens, summed over batches (and ranks)."""
+
+    counts: ChainCounts
+    drafts: int = 0
+    accepted: int = 0
+    tokens: int = 0
+
+    def all_reduce(self, dist) -> "ChainTally":
+        """Summed over every rank of a remote.train.state.Distributed."""
+        flat = torch.cat([self.counts.attempts, self.counts.accepted,
+                          torch.tensor([self.drafts, self.accepted, self.tokens])]).to(dist.device)
+        flat = dist.all_reduce(flat).cpu()
+        n = self.counts.steps
+        return ChainTally(ChainCounts(flat[:n], flat[n:2 * n]), *(int(x) for x in flat[2 * n:]))
+
+    def summary(self, k: int) -> dict:
+        """The figures of the offline evaluation (k speculative tokens, every measured step's table)."""
+        c = self.counts
+        return {"acceptance_length": c.acceptance_length(k), "k": k, "tokens": self.tokens,
+                "replayed_acceptance_length": 1 + self.accepted / self.drafts if self.drafts else None,
+                "replayed": {"drafts": self.drafts, "accepted": self.accepted},
+                "acceptance_length_by_k": [c.acceptance_length(j) for j in range(c.steps + 1)], **c.to_dict()}
+
+
+def heldout_plan(index, token_budget: int, max_tokens: int) -> list[list[int]]:
+    """Batches of held-out samples by sample id (a stable subset when max_tokens cuts)."""
+    from remote.draft.data import pack
+
+    order = sorted(range(len(index.refs)), key=lambda i: index.refs[i].sample_id)
+    return pack(index.lengths, token_budget, order, max_tokens)
+
+
+@torch.no_grad()
+def chain_tally(draft, head, batches, steps: int, k: int, attention: str = "dense", compiled: bool = False) -> ChainTally:
+    """Count the draft's chains over packed batches (on the draft's device) that carry their in-draft flags."""
+    tally = ChainTally(ChainCounts.zeros(steps))
+    for b in batches:
+        c, d, a = chain_of_batch(draft, head, b, steps, k, attention, compiled)
+        tally = ChainTally(tally.counts + c, tally.drafts + d, tally.accepted + a, tally.tokens + b.n_tokens)
+    return tally
