@@ -32,11 +32,13 @@ from remote.evaluate.config import PromoteOptions
 from tasks.context import RunContext
 from tasks.host_slot import host_slot
 from tasks.host import HostParams
-from tasks.inputs import bad_input, check_inputs, exit_status
+from tasks.inputs import bad_input, check_inputs, exit_status, refuse_preset, refusals_fail_the_run
 from tasks.nightly_data import DataDelta, commit_night, find_new_data
 from tasks.notify import notify_failure
 from tasks.promote import PromotionDecision, current_draft, promote_if_better
 from tasks.ship import ship_code_task
+
+HOST_WAIT_S = 600.0  # a host that does not answer at 02:00 is tried for 10 minutes (host.wait_s): a blip loses no night
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -76,6 +78,7 @@ def nightly_run_label() -> str:
 
 @flow(name="train-draft-nightly", flow_run_name=nightly_run_label, log_prints=True, persist_result=True,
       result_serializer="json", on_failure=[notify_failure], on_crashed=[notify_failure])
+@refusals_fail_the_run  # bad input, a host key, a login, a host that did not answer: one line, no traceback
 def nightly_retrain(
     host: HostParams = HostParams(),
     extra_hosts: list[HostParams] = [],  # noqa: B006 - Prefect parameters: never mutated
@@ -94,7 +97,7 @@ def nightly_retrain(
                           "leave extra_hosts empty, or run the training flow for several hosts"])
     run_name = run_folder(run_name, prefix=f"nightly-{nightly.name}-")
     tag_run(host, target)
-    if problems := check_inputs([host], target, data):  # before the slot: a misspelt host leaves no limit
+    if problems := check_inputs([host], target, data, wait_s=HOST_WAIT_S):  # before the slot: a misspelt host leaves no limit
         return bad_input(problems)
     with host_slot(host) as waited:
         code = ship_code_task(host)
@@ -145,7 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--result", help="also write the result (JSON) to this file, for scripts")
     args = ap.parse_args(argv)
     overrides = dict(_key_value(ap, item) for item in args.set)
-    params = NightlyRunParams.from_preset(args.preset, overrides)
+    try:
+        params = NightlyRunParams.from_preset(args.preset, overrides)
+    except (OSError, ValueError) as e:  # a missing or malformed preset, a bad value (pydantic's errors are ValueErrors)
+        return refuse_preset(args.preset, e)
     state = nightly_retrain(**{name: getattr(params, name) for name in NightlyRunParams.model_fields},
                             return_state=True)
     if status := exit_status(state):

@@ -26,7 +26,7 @@ from tasks.errors import BadInputError
 from tasks.evaluate import evaluate_draft, publish_summary
 from tasks.host_slot import host_slot
 from tasks.host import HostParams
-from tasks.inputs import bad_input, check_inputs, exit_status
+from tasks.inputs import bad_input, check_inputs, exit_status, refuse_preset, refusals_fail_the_run
 from tasks.multihost import copy_vocab, rendezvous as plan_rendezvous, same_data
 from tasks.notify import notify_failure
 from tasks.prepare import embedded_default, prepare_data
@@ -49,6 +49,7 @@ class TrainDraftResult(BaseModel):
 # figures can be read back through the API: client.read_flow_run(id).state.result().
 @flow(name="train-draft", flow_run_name=flow_run_label, log_prints=True, persist_result=True,
       result_serializer="json", on_failure=[notify_failure], on_crashed=[notify_failure])
+@refusals_fail_the_run  # bad input, a host key, a login, a host that did not answer: one line, no traceback
 def train_draft(
     host: HostParams = HostParams(),
     extra_hosts: list[HostParams] = [],  # noqa: B006 - Prefect parameters: never mutated
@@ -133,7 +134,10 @@ def main(argv: list[str] | None = None) -> int:
             overrides[key] = json.loads(raw)
         except json.JSONDecodeError:
             overrides[key] = raw
-    params = TrainDraftParams.from_preset(args.preset, overrides)
+    try:
+        params = TrainDraftParams.from_preset(args.preset, overrides)
+    except (OSError, ValueError) as e:  # a missing or malformed preset, a bad value (pydantic's errors are ValueErrors)
+        return refuse_preset(args.preset, e)
     state = train_draft(**{name: getattr(params, name) for name in TrainDraftParams.model_fields}, return_state=True)
     if status := exit_status(state):
         return status

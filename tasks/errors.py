@@ -2,10 +2,12 @@
 
 Transient (retried with backoff): the connection was refused, dropped or reset (`HostUnreachable`);
 the remote process crashed, was killed or ran out of time (`RemoteFault`, `CommandTimedOut`).
-Not transient (fail at once): the input is wrong (`BadInputError`, a remote exit 65), the host's name
-does not resolve (a `HostUnreachable` caused by the resolver's "no such name": a misspelt hostname,
-not a fault of the moment), the host key is unknown or changed (`HostKeyRefused`), the login was
-refused (`LoginRefused`).
+Not transient (fail at once): a `Refusal`, one line that names the parameter and what to do: the input
+is wrong (`BadInputError`, a remote exit 65), the host key is unknown or changed (`HostKeyRefused`), the
+login was refused (`LoginRefused`), the host did not answer for as long as the run waits for it
+(`HostDown`, after `HostParams.wait_s`). A `HostUnreachable` caused by the resolver's "no such name" (a
+misspelt hostname, not a fault of the moment) is not retried either. A run ends on a refusal with that
+line as its state's message and no traceback (tasks/inputs.py).
 
 A Prefect task opts in with `@task(retries=3, retry_condition_fn=retry_condition)`.
 """
@@ -19,7 +21,20 @@ class EagletError(Exception):
     """Base of every error eaglet raises on purpose."""
 
 
-class BadInputError(EagletError):
+class Refusal(EagletError):
+    """The run cannot go on as asked and trying again will not help. The message says what to do; `param`
+    names the setting at fault (of the host: `key_secret`; a run names it `host.key_secret`). Never retried."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(f"{param}: {message}" if param else message)
+        self.param, self.message = param, message
+
+    def line(self, field: str) -> str:
+        """The refusal as one line about the parameter group `field` (`host`, `extra_hosts[0]`)."""
+        return f"{field}.{self.param}: {self.message}" if self.param else f"{field}: {self.message}"
+
+
+class BadInputError(Refusal):
     """The input is wrong (a missing file, a bad parameter, a remote exit 65). Never retried."""
 
 
@@ -35,12 +50,16 @@ class CommandTimedOut(RemoteFault):
     """A command ran past its timeout; its process tree on the host was ended."""
 
 
-class HostKeyRefused(EagletError):
+class HostKeyRefused(Refusal):
     """The host's key is unknown or differs from known_hosts. A configuration error: not retried."""
 
 
-class LoginRefused(EagletError):
+class LoginRefused(Refusal):
     """The host refused every key offered (wrong user, key or passphrase). Not retried."""
+
+
+class HostDown(Refusal):
+    """The host did not answer for as long as the run waits for one (`HostParams.wait_s`). Not retried."""
 
 
 _TRANSIENT = (HostUnreachable, RemoteFault)

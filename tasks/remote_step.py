@@ -10,8 +10,9 @@ The config travels as `<run_dir>/<step>.config.json`; the step runs as
 0 -> the manifest in `config["out_dir"]` is returned; 65 -> BadInputError (never retried); anything
 else -> RemoteFault (retried). Inside a Prefect task use `run_step_in_task`, which sends the remote
 lines to the run log as they arrive (an engine's warnings, tracebacks and progress bars at debug level,
-counted in one line at the end), the progress events to a progress artifact, and one progress line
-(done/total, loss and accuracy while training, tokens/s, ETA) to the log every PROGRESS_LOG_EVERY_S.
+counted in one line at the end), the progress events to a progress artifact (removed when the step ends
+well; a failed step's stays where it stopped), and one progress line (done/total, loss and accuracy while
+training, tokens/s, ETA) to the log every PROGRESS_LOG_EVERY_S.
 """
 from __future__ import annotations
 
@@ -114,7 +115,7 @@ def _outcome(host: Host, step: str, out_dir: str, r: CommandResult, bad_input: s
             raise RemoteFault(f"{where} wrote an unreadable manifest in {out_dir}: {e}") from e
     tail = "\n".join(r.stderr_tail[-20:])
     if r.exit_code == EXIT_BAD_INPUT:
-        raise BadInputError(f"{where}: bad input: {bad_input or tail or '(no message)'}")
+        raise BadInputError(f"{where}: {bad_input or tail or '(no message)'}")  # the flow's message says "bad input: "
     raise RemoteFault(f"{where} failed ({_describe_exit(r.exit_code)}) after {r.seconds:.1f} s; stderr ends:\n{tail}")
 
 
@@ -173,8 +174,8 @@ def run_step_in_task(host: Host, code: ShippedCode, step: str, config: dict, *, 
         logger.info("%s: %d engine lines (warnings, tracebacks it survived, progress bars, leak reports) at debug level",
                     title, noise.count)
     if "error" in outcome:
-        raise outcome["error"]
-    progress.finish()
+        raise outcome["error"]  # the progress card stays, at the point the step reached
+    progress.remove()  # done: the step's own artifacts and the log say the rest
     return {**outcome["manifest"], "events": events}
 
 
@@ -237,7 +238,7 @@ class _Progress:
     def __init__(self, title: str, key: str, logger):
         from prefect.artifacts import create_progress_artifact
 
-        self.artifact_id = create_progress_artifact(0.0, key=key, description=title)
+        self.artifact_id, self.key = create_progress_artifact(0.0, key=key, description=title), key
         self.title, self.logger, self.train = title, logger, {}
         self.sent, self.latest, self.sent_at = 0.0, 0.0, time.monotonic()
         self.logged_at, self.first = time.monotonic(), None  # first: (time, done) of the first event, the ETA's rate
@@ -265,9 +266,20 @@ class _Progress:
             return None
         return (total - done) * (now - t0) / (done - done0)
 
-    def finish(self) -> None:
-        if self.sent < 100.0:
-            self._send(100.0)
+    def remove(self) -> None:
+        """The step's cards off the run page (this try's, and those an earlier try of it left where it stopped):
+        a finished step's 100% says nothing that its log line and artifacts do not."""
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.filters import ArtifactFilter
+        from prefect.runtime import flow_run
+
+        with get_client(sync_client=True) as client:
+            cards = {self.artifact_id}
+            if flow_run.id:
+                cards |= {a.id for a in client.read_artifacts(artifact_filter=ArtifactFilter(
+                    key={"any_": [self.key]}, flow_run_id={"any_": [flow_run.id]}, type={"any_": ["progress"]}))}
+            for card in cards:
+                client.delete_artifact(card)
 
     def _send(self, pct: float) -> None:
         from prefect.artifacts import update_progress_artifact

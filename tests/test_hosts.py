@@ -172,7 +172,7 @@ def test_the_printed_host_key_commands_work_with_odd_paths(sshd, tmp_path, shell
     entry = f"[{sshd.listen}]:{sshd.port}"
     with pytest.raises(HostKeyRefused) as e:
         open_host(sshd.params(known_hosts=str(known))).connect()
-    assert str(e.value).startswith(f"host key of {entry} is unknown:") and "(port" not in str(e.value)
+    assert str(e.value).startswith(f"known_hosts: host key of {entry} is unknown:") and "(port" not in str(e.value)
     subprocess.run([shell, "-c", _printed_command(e.value, "ssh-keyscan")], check=True, timeout=30)
     with open_host(sshd.params(known_hosts=str(known))) as h:  # the scanned key is trusted now
         h.connect()
@@ -180,7 +180,7 @@ def test_the_printed_host_key_commands_work_with_odd_paths(sshd, tmp_path, shell
     known.write_text(sshd.known_hosts_entry(make_key(tmp_path / "other_host_key")))
     with pytest.raises(HostKeyRefused) as e:
         open_host(sshd.params(known_hosts=str(known))).connect()
-    assert str(e.value).startswith(f"host key of {entry} CHANGED:")
+    assert str(e.value).startswith(f"known_hosts: host key of {entry} CHANGED:")
     subprocess.run([shell, "-c", _printed_command(e.value, "ssh-keygen -R")], check=True, capture_output=True, timeout=30)
     assert sshd.listen not in known.read_text()  # the old key is gone
 

@@ -35,16 +35,11 @@ from remote.capture.store import SHARD_HEADER_BYTES, bytes_per_token, sample_ove
 from remote.data.dataset import read_dataset
 from remote.draft.data import CaptureIndex, epochs_for, plan_steps
 from remote.step import BadInput, begin_step, load_config, log, step_main, write_json_atomic
-from remote.train.config import TrainOptions, WindowsConfig
+from remote.train.config import HELDOUT_IDS, TrainOptions, WindowsConfig, window_ids_file
 
 STEP = "windows"
 SHARD_BYTES = SHARD_HEADER_BYTES + INDEX_SHARD_BYTES  # a shard's header and its index entry
 PLAN = "windows.json"
-HELDOUT_IDS = "heldout.ids.json"
-
-
-def window_ids_file(window: int) -> str:
-    return f"window-{window:03d}.ids.json"
 
 
 # ----------------------------------------------------------------------------- the plan

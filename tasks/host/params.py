@@ -41,6 +41,8 @@ class HostParams(BaseModel):
     key_secret: Optional[str] = Field(None, description="name of a Prefect Secret block holding the private key text")
     passphrase_secret: Optional[str] = Field(None, description="name of a Prefect Secret block holding the key's passphrase")
     connect_timeout: float = Field(10.0, gt=0, description="seconds to wait for the TCP connect, banner and login")
+    wait_s: Optional[float] = Field(None, ge=0, description="seconds a run keeps trying a host that does not answer "
+                                    "(with backoff) before it fails; none: 600 for the nightly, 0 (one try) otherwise")
     env: dict[str, str] = Field(default_factory=dict, description="extra environment of every remote command")
 
     @property

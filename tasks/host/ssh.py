@@ -97,7 +97,7 @@ class SSHHost(Host):
         if self._root is None:
             root = self.params.root or "~/eaglet"
             if root.startswith("~") and not (root == "~" or root.startswith("~/")):
-                raise BadInputError(f"root {root!r}: only ~ and ~/... are understood; give an absolute path")
+                raise BadInputError(f"{root!r}: only ~ and ~/... are understood; give an absolute path", param="root")
             if not root.startswith("/"):
                 home = self._sftp_client().normalize(".")  # the login folder, asked of the SFTP server
                 root = posixpath.join(home, root.lstrip("~").lstrip("/"))
@@ -133,7 +133,7 @@ class SSHHost(Host):
             self._conn.open()
             _fail_unacknowledged_after(self._conn.transport.sock, LOST_AFTER_S)
         except paramiko.BadHostKeyException as e:
-            raise HostKeyRefused(self._changed_key_message(e.key, e.expected_key)) from None
+            raise HostKeyRefused(self._changed_key_message(e.key, e.expected_key), param="known_hosts") from None
         except paramiko.SSHException as e:
             transport = self._conn.client.get_transport()
             if transport is None or not transport.initial_kex_done:
@@ -146,8 +146,9 @@ class SSHHost(Host):
     def _secret_key(self):
         """The private key from the Secret block named in key_secret (read once, never logged)."""
         if self._pkey is None:
-            text = _secret(self.params.key_secret)
-            passphrase = _secret(self.params.passphrase_secret) if self.params.passphrase_secret else None
+            text = _secret(self.params.key_secret, "key_secret", "the private key that logs in to the host")
+            passphrase = _secret(self.params.passphrase_secret, "passphrase_secret",
+                                 "that key's passphrase") if self.params.passphrase_secret else None
             self._pkey = _parse_private_key(text, passphrase, self.params.key_secret)
         return self._pkey
 
@@ -168,7 +169,8 @@ class SSHHost(Host):
         except EagletError:
             raise
         except paramiko.AuthenticationException as e:
-            raise LoginRefused(f"{self.name}: login as {self._conn.user!r} refused ({e}); check user and key") from e
+            raise LoginRefused(f"{self.name} refused the login as {self._conn.user!r} ({e}); check user and the key "
+                               "(key_secret, key_filename or the SSH agent's)", param="user") from e
         except (paramiko.SSHException, EOFError, ConnectionError, TimeoutError, socket.gaierror) as e:
             raise HostUnreachable(f"{self.name}: {what}: {type(e).__name__}: {e}") from e
         except OSError as e:
@@ -338,7 +340,7 @@ class RefuseUnknownKey(paramiko.RejectPolicy):
         self.host = host
 
     def missing_host_key(self, client, hostname, key):
-        raise HostKeyRefused(self.host._refused_unknown_message(key))
+        raise HostKeyRefused(self.host._refused_unknown_message(key), param="known_hosts")
 
 
 class RecordUnknownKey(RefuseUnknownKey):
@@ -353,13 +355,19 @@ class RecordUnknownKey(RefuseUnknownKey):
         log.warning("trusted the unknown host key of %s (%s) and recorded it in %s", hostname, fingerprint(key), path)
 
 
-def _secret(block_name: str) -> str:
+def _secret(block_name: str, param: str, what: str) -> str:
+    """The text of the Secret block named by the parameter param; a block that is missing says how to make it."""
     from prefect.blocks.system import Secret
 
     try:
         return str(Secret.load(block_name).get())
-    except ValueError as e:
-        raise BadInputError(f"no Secret block named {block_name!r}: {e}") from e
+    except ValueError:  # no such block, or a block of another type by that name
+        value = "open('/path/to/key').read()" if param == "key_secret" else "'the passphrase'"
+        raise BadInputError(
+            f"the Prefect server has no Secret block named {block_name!r}; save {what} in one: "
+            f"`python -c \"from prefect.blocks.system import Secret; Secret(value={value}).save({block_name!r})\"` "
+            f"(or in the UI: Blocks -> + -> Secret), or leave {param} empty"
+            + (" to log in with key_filename or the SSH agent" if param == "key_secret" else ""), param=param) from None
 
 
 def _parse_private_key(text: str, passphrase: str | None, where: str):
@@ -367,11 +375,13 @@ def _parse_private_key(text: str, passphrase: str | None, where: str):
         try:
             return cls.from_private_key(io.StringIO(text), password=passphrase)
         except paramiko.PasswordRequiredException:
-            raise LoginRefused(f"the key in Secret block {where!r} is encrypted: name its passphrase in passphrase_secret") from None
+            raise LoginRefused(f"the key in Secret block {where!r} is encrypted: name a Secret block holding its "
+                               "passphrase", param="passphrase_secret") from None
         # A damaged key fails deep in paramiko (IndexError, AssertionError, ValueError, SSHException...):
         # whatever it raises, the text is not a readable key of this type.
         except Exception:  # noqa: BLE001
             continue
     raise BadInputError(f"Secret block {where!r} holds no private key that can be read (OpenSSH ed25519, ECDSA or RSA"
                         + (", with that passphrase" if passphrase else "")
-                        + "): it may be damaged or truncated; save the whole key file there, BEGIN and END lines included")
+                        + "): it may be damaged or truncated; save the whole key file there, BEGIN and END lines included",
+                        param="key_secret")
