@@ -22,9 +22,8 @@ from prefect import get_run_logger
 from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel
 
-from remote.data.config import DataDeltaConfig
-from remote.data.delta import EMPTY_STATE, STATE, next_state
-from remote.evaluate.promote import HISTORY
+from remote.data.config import EMPTY_STATE, STATE, DataDeltaConfig, next_state
+from remote.evaluate.config import HISTORY
 from tasks.context import RunContext, step_task
 from tasks.host import open_host
 

@@ -16,8 +16,7 @@ from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel
 
-from remote.evaluate.config import CURRENT, PromoteConfig
-from remote.evaluate.promote import RECORD
+from remote.evaluate.config import CURRENT, RECORD, PromoteConfig
 from tasks.context import RunContext, step_task
 from tasks.host import Host, open_host
 

@@ -24,8 +24,7 @@ from pydantic import BaseModel
 from remote.capture.config import CaptureOptions
 from remote.config import TargetOptions, pick
 from remote.step import MANIFEST, as_recorded, with_defaults
-from remote.train.config import TrainConfig, TrainOptions, WindowsConfig
-from remote.train.windows import HELDOUT_IDS, window_ids_file
+from remote.train.config import HELDOUT_IDS, TrainConfig, TrainOptions, WindowsConfig, window_ids_file
 from tasks.capture import CapturedStates, capture_hidden_states, free_capture
 from tasks.context import RunContext, step_task
 from tasks.host import open_host

@@ -16,6 +16,8 @@ import pytest
 from remote.data import delta as data_delta
 from remote.evaluate import promote
 from remote.data.chat_data import ReadReport, read_conversations
+from remote.data.config import STATE, next_state
+from remote.evaluate.config import HISTORY, RECORD
 from remote.split import split_of
 from remote.step import EXIT_BAD_INPUT, read_manifest
 
@@ -49,7 +51,7 @@ def night(tmp_path: Path, source: list[str], run: str, permille: int = 250) -> d
     m = read_manifest(out)
     if m["counts"]["new"]:
         state = data_delta.read_state(state_dir)
-        (state_dir / data_delta.STATE).write_text(json.dumps(data_delta.next_state(state, m, run)))
+        (state_dir / STATE).write_text(json.dumps(next_state(state, m, run)))
     return m
 
 
@@ -95,7 +97,7 @@ def test_bad_delta_inputs_fail_as_bad_input(tmp_path):
     assert run_step(data_delta, {"inputs": [], "state_dir": str(state_dir),
                                  "out_dir": str(state_dir / "y")}, tmp_path) == EXIT_BAD_INPUT
     state_dir.mkdir(exist_ok=True)
-    (state_dir / data_delta.STATE).write_text("{not json")
+    (state_dir / STATE).write_text("{not json")
     good = write_jsonl(tmp_path / "good.jsonl", conversations(2))
     assert run_step(data_delta, {"inputs": [str(good)], "state_dir": str(state_dir),
                                  "out_dir": str(state_dir / "z")}, tmp_path) == EXIT_BAD_INPUT
@@ -146,7 +148,7 @@ def test_promotion_switches_current_only_for_a_better_draft(tmp_path):
     drafts = tmp_path / "drafts"
     assert run_step(promote, promote_cfg(tmp_path, "r1", 1.40), tmp_path) == 0
     assert current_tag(drafts) == "r1" and os.readlink(drafts / "current") == "r1"
-    record = json.loads((drafts / "current" / promote.RECORD).read_text())
+    record = json.loads((drafts / "current" / RECORD).read_text())
     assert record["reason"] == "no current draft" and record["figures"]["acceptance_length"] == 1.40
 
     assert run_step(promote, promote_cfg(tmp_path, "r2", 1.42), tmp_path) == 0  # better, but not by the margin
@@ -155,13 +157,13 @@ def test_promotion_switches_current_only_for_a_better_draft(tmp_path):
 
     assert run_step(promote, promote_cfg(tmp_path, "r3", 1.60), tmp_path) == 0
     assert current_tag(drafts) == "r3"
-    record = json.loads((drafts / "current" / promote.RECORD).read_text())
+    record = json.loads((drafts / "current" / RECORD).read_text())
     assert record["replaced"]["name"] == "r1" and "beats 1.4000" in record["reason"]
     assert (drafts / "r1" / "config.json").is_file(), "the replaced draft stays for a rollback"
 
     cfg = promote_cfg(tmp_path, "r4", 1.2)
     assert run_step(promote, cfg, tmp_path) == 0 and run_step(promote, cfg, tmp_path) == 0  # a retry
-    history = [json.loads(line) for line in (drafts / promote.HISTORY).read_text().splitlines()]
+    history = [json.loads(line) for line in (drafts / HISTORY).read_text().splitlines()]
     assert [(h["name"], h["promote"]) for h in history] == [("r1", True), ("r2", False), ("r3", True), ("r4", False)]
     assert not [p for p in drafts.iterdir() if p.name.startswith(".") and p.name != ".lock"], "no temporary left"
 

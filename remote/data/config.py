@@ -158,3 +158,15 @@ class DataDeltaConfig(Checked):
     def __post_init__(self):
         super().__post_init__()
         require_paths(self, "inputs")
+
+
+# The nightly's commit point in state_dir: the data_delta step reads it, the controller writes it after a good night.
+STATE = "state.json"
+EMPTY_STATE = {"nights": [], "seen": None}  # a nightly before its first good night
+
+
+def next_state(state: dict, manifest: dict, run_name: str, **record) -> dict:
+    """The state after a good night whose data_delta manifest is `manifest` (the controller writes it)."""
+    nights = [n for n in state["nights"] if n["run"] != run_name]
+    nights.append({"run": run_name, "data": manifest["new_data"], "new": manifest["counts"]["new"]})
+    return {**state, "nights": nights, "seen": manifest["seen"], "last_success": {"run": run_name, **record}}

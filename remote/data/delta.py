@@ -26,16 +26,14 @@ import os
 import sys
 from pathlib import Path
 
-from remote.data.config import DataDeltaConfig
+from remote.data.config import EMPTY_STATE, STATE, DataDeltaConfig
 from remote.data.chat_data import ReadReport, read_conversations
 from remote.split import split_of
 from remote.step import BadInput, begin_step, log, step_main
 
 STEP = "data_delta"
-STATE = "state.json"
 NEW = "new.jsonl"
 SEEN = "seen.txt"
-EMPTY_STATE = {"nights": [], "seen": None}  # a nightly before its first good night
 
 
 def read_state(state_dir: str | os.PathLike) -> dict:
@@ -59,13 +57,6 @@ def read_seen(state: dict) -> set[str]:
     if not Path(path).is_file():
         raise BadInput(f"the committed seen list {path} is missing; the nightly state is damaged")
     return set(Path(path).read_text().split())
-
-
-def next_state(state: dict, manifest: dict, run_name: str, **record) -> dict:
-    """The state after a good night whose data_delta manifest is `manifest` (the controller writes it)."""
-    nights = [n for n in state["nights"] if n["run"] != run_name]
-    nights.append({"run": run_name, "data": manifest["new_data"], "new": manifest["counts"]["new"]})
-    return {**state, "nights": nights, "seen": manifest["seen"], "last_success": {"run": run_name, **record}}
 
 
 def run(raw: dict) -> dict:

@@ -9,6 +9,8 @@ from typing import Literal
 from remote.config import Checked, ConfigError, bounded, pick
 
 CURRENT = "current"  # drafts/current: the link to the promoted draft
+RECORD = "promotion.json"  # drafts/<name>/promotion.json: what was promoted and why
+HISTORY = "history.jsonl"  # drafts/history.jsonl: every promotion decision, one JSON line each
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -30,12 +30,10 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from remote.evaluate.config import CURRENT, PromoteConfig
+from remote.evaluate.config import CURRENT, HISTORY, RECORD, PromoteConfig
 from remote.step import BadInput, begin_step, log, step_main, write_json_atomic
 
 STEP = "promote"
-RECORD = "promotion.json"
-HISTORY = "history.jsonl"
 
 
 @dataclass(frozen=True)

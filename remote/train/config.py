@@ -174,6 +174,15 @@ class WindowsConfig(Checked):
     """the train options (TrainOptions): the budget in steps or epochs, the packing, processes and grad_accum"""
 
 
+# The windows step's sample lists in its out_dir, which each capture of a windowed run takes (sample_ids).
+HELDOUT_IDS = "heldout.ids.json"  # the held-out samples: captured once, kept for the whole run
+
+
+def window_ids_file(window: int) -> str:
+    """The file of window `window`'s samples: its train samples and the held-out ones."""
+    return f"window-{window:03d}.ids.json"
+
+
 @dataclass(frozen=True, kw_only=True)
 class ExportConfig(Checked):
     train_dir: str
