@@ -1,0 +1,132 @@
+"""The controller loads without the host side's packages, as on a Prefect worker set up with the `controller`
+extra alone (docs/DEPLOYING.md): every flows/ and tasks/ module imports and every deployment of prefect.yaml
+loads (its entrypoint's flow, its parameters built by the build steps they name and checked by the flow), in
+a Python whose import system refuses torch, numpy, safetensors, vllm, transformers, pyarrow and datasets.
+The contract modules (remote/*.py, remote/<package>/config.py) load there too. Each check runs in a fresh
+interpreter: this one has the heavy packages loaded, which would hide an import of one.
+
+    .venv/bin/python -m pytest -q tests/test_controller_imports.py
+    .venv/bin/python -m tests.test_controller_imports controller       # the same load, by hand: prints what loaded
+
+Which module is controller and which contract is the house's rule (scripts/house.py).
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scripts.house import HEAVY, ROOT, draw
+
+
+class RefuseHeavy:
+    """A sys.meta_path finder that refuses the host side's packages, as an interpreter without them would."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in HEAVY:
+            raise ModuleNotFoundError(f"No module named {name!r} (refused: the controller venv has no "
+                                      f"{name.partition('.')[0]})", name=name)
+        return None
+
+
+def load_deployments(folder: Path) -> dict[str, list[str]]:
+    """Every deployment of folder/prefect.yaml, loaded as `prefect deploy` does: the build steps its parameters'
+    templates name run (from folder), the templates are filled with their outputs, the entrypoint's flow is
+    loaded, and the flow checks the parameters as it would at the start of a run. {name: its parameters}."""
+    import yaml
+    from prefect.flows import Flow, load_flow_from_entrypoint
+    from prefect.utilities.importtools import import_object
+    from prefect.utilities.templating import apply_values
+
+    os.chdir(folder)  # prefect deploy runs in the project's folder: the build steps' paths are relative to it
+    config = yaml.safe_load(Path("prefect.yaml").read_text())
+    named = set(re.findall(r"\{\{\s*([A-Za-z0-9_-]+)\.", json.dumps([d.get("parameters") for d in config["deployments"]])))
+    outputs = {}
+    for step in config.get("build") or []:
+        ((fqn, inputs),) = step.items()
+        if inputs.get("id") in named:  # the others (a shell `pwd`, the failure automation) need a server or a shell
+            kwargs = {k: v for k, v in inputs.items() if k not in ("id", "requires")}
+            outputs[inputs["id"]] = import_object(fqn)(**kwargs)
+    assert named <= set(outputs), f"templates name steps that prefect.yaml's build does not have: {named - set(outputs)}"
+    loaded = {}
+    for d in config["deployments"]:
+        flow = load_flow_from_entrypoint(d["entrypoint"])
+        assert isinstance(flow, Flow), f"{d['name']}: {d['entrypoint']} is {type(flow).__name__}, not a flow"
+        parameters = apply_values(d.get("parameters") or {}, outputs)
+        flow.validate_parameters(parameters)  # the run's own check: a bad key or value fails here
+        loaded[f"{flow.name}/{d['name']}"] = sorted(parameters)
+    return loaded
+
+
+def child(what: str, folder: Path = ROOT) -> dict:
+    """In this interpreter: refuse the heavy packages, then load `what` (controller: flows, tasks and the
+    deployments of folder/prefect.yaml; contract: the contract modules). What was loaded, as JSON."""
+    assert not any(m.partition(".")[0] in HEAVY for m in sys.modules), "loaded before the refusal"
+    sys.meta_path.insert(0, RefuseHeavy())
+    modules = sorted(m for m, layer in draw().layers.items() if layer == what)
+    for m in modules:
+        importlib.import_module(m)
+    deployments = load_deployments(folder) if what == "controller" else {}
+    heavy = sorted(m for m in sys.modules if m.partition(".")[0] in HEAVY)
+    return {"modules": modules, "deployments": deployments, "heavy": heavy}
+
+
+def run_child(what: str, folder: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tests.test_controller_imports", what, str(folder)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def result_of(r: subprocess.CompletedProcess) -> dict:
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_every_flow_task_and_deployment_loads_without_the_host_side_packages():
+    got = result_of(run_child("controller"))
+    assert {"flows.train_draft", "flows.nightly", "tasks.windows", "tasks.host.ssh"} <= set(got["modules"])
+    deployments = re.findall(r"^  - name: (\S+)", (ROOT / "prefect.yaml").read_text(), re.M)
+    assert sorted(name.split("/")[1] for name in got["deployments"]) == sorted(deployments) and len(deployments) >= 5
+    assert set(got["deployments"]["train-draft/tiny"]) >= {"host", "data", "train"}, "the presets filled the templates"
+    assert got["heavy"] == []
+
+
+def test_the_contract_modules_import_no_heavy_package():
+    got = result_of(run_child("contract"))
+    assert {"remote.step", "remote.guard", "remote.split", "remote.train.config", "remote.data.config"} <= set(
+        got["modules"])
+    assert got["heavy"] == []
+
+
+def test_a_module_that_imports_a_heavy_package_is_refused_by_name():
+    """The refusal is real: the step that plans windows needs numpy and torch, and fails to load here."""
+    code = ("import sys; from tests.test_controller_imports import RefuseHeavy; sys.meta_path.insert(0, RefuseHeavy()); "
+            "import remote.train.windows")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "refused: the controller venv has no" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("where, bad_key", [("preset", "learning_rat"), ("prefect.yaml", "margn")])
+def test_a_deployment_with_a_bad_key_fails_the_load_naming_it(tmp_path, where, bad_key):
+    """A misspelt key in a preset file (read by the build step) or in prefect.yaml's own parameters (the nightly's)."""
+    yaml_text = (ROOT / "prefect.yaml").read_text()
+    shutil.copytree(ROOT / "deployments", tmp_path / "deployments")
+    if where == "preset":
+        preset = tmp_path / "deployments" / "tiny-local.json"
+        preset.write_text(json.dumps({**json.loads(preset.read_text()), "train": {bad_key: 0.001}}))
+    else:
+        assert yaml_text.count("margin: 0.05") == 1
+        yaml_text = yaml_text.replace("margin: 0.05", f"{bad_key}: 0.05")
+    (tmp_path / "prefect.yaml").write_text(yaml_text)
+    r = run_child("controller", tmp_path)
+    assert r.returncode != 0 and bad_key in r.stderr, r.stderr[-2000:]
+
+
+if __name__ == "__main__":  # python -m tests.test_controller_imports controller|contract [folder]
+    print(json.dumps(child(sys.argv[1], Path(sys.argv[2]) if len(sys.argv) > 2 else ROOT)))
