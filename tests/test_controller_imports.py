@@ -2,8 +2,10 @@
 extra alone (docs/DEPLOYING.md): every flows/ and tasks/ module imports and every deployment of prefect.yaml
 loads (its entrypoint's flow, its parameters built by the build steps they name and checked by the flow), in
 a Python whose import system refuses torch, numpy, safetensors, vllm, transformers, pyarrow and datasets.
-The contract modules (remote/*.py, remote/<package>/config.py) load there too. Each check runs in a fresh
-interpreter: this one has the heavy packages loaded, which would hide an import of one.
+The contract modules (remote/*.py, remote/<package>/config.py) load there too. A wheel built from the
+checkout holds every module under flows/, tasks/ and remote/, and installed alone (its files, no checkout beside
+them) its flows load and `python -m flows.train_draft --help` runs. Each check runs in a fresh interpreter: this
+one has the heavy packages loaded, which would hide an import of one.
 
     .venv/bin/python -m pytest -q tests/test_controller_imports.py
     .venv/bin/python -m tests.test_controller_imports controller       # the same load, by hand: prints what loaded
@@ -13,17 +15,19 @@ Which module is controller and which contract is the house's rule (scripts/house
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 
-from scripts.house import HEAVY, ROOT, draw
+from scripts.house import HEAVY, HOUSE, ROOT, draw
 
 
 class RefuseHeavy:
@@ -126,6 +130,42 @@ def test_a_deployment_with_a_bad_key_fails_the_load_naming_it(tmp_path, where, b
     (tmp_path / "prefect.yaml").write_text(yaml_text)
     r = run_child("controller", tmp_path)
     assert r.returncode != 0 and bad_key in r.stderr, r.stderr[-2000:]
+
+
+def build_wheel(out: Path) -> Path:
+    """A wheel of a copy of the checkout (so it gains no build/), built offline by setuptools' own backend."""
+    src = out / "src"
+    src.mkdir()
+    shutil.copy(ROOT / "pyproject.toml", src / "pyproject.toml")
+    for top in HOUSE:
+        shutil.copytree(ROOT / top, src / top, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    code = f"from setuptools import build_meta; print(build_meta.build_wheel({str(out)!r}))"
+    r = subprocess.run([sys.executable, "-c", code], cwd=src, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out / r.stdout.strip().splitlines()[-1]
+
+
+def test_a_wheel_holds_every_module_and_its_flows_load_from_it_alone(tmp_path):
+    wheel = build_wheel(tmp_path)
+    held = {n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".py")}
+    modules = {p.relative_to(ROOT).as_posix() for top in HOUSE for p in (ROOT / top).rglob("*.py")}
+    assert {"remote/data/prepare.py", "tasks/host/ssh.py", "flows/train_draft.py"} <= modules
+    assert (sorted(modules - held), sorted(held - modules)) == ([], [])
+
+    site = tmp_path / "site"  # a pure-Python wheel installs by unpacking
+    zipfile.ZipFile(wheel).extractall(site)
+    code = "\n".join([inspect.getsource(RefuseHeavy).replace("in HEAVY", f"in {HEAVY!r}"),
+                      "import runpy, sys", "sys.meta_path.insert(0, RefuseHeavy())",
+                      "import flows.train_draft, flows.nightly",
+                      "assert flows.train_draft.__file__.startswith(sys.argv[1]), flows.train_draft.__file__",
+                      "sys.argv = ['flows.train_draft', '--help']",
+                      "runpy.run_module('flows.train_draft', run_name='__main__')"])
+    elsewhere = tmp_path / "elsewhere"  # not the checkout: only the wheel's files are on the path
+    elsewhere.mkdir()
+    r = subprocess.run([sys.executable, "-c", code, str(site)], cwd=elsewhere, capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "PYTHONPATH": str(site)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "--preset" in r.stdout, r.stdout[-2000:]
 
 
 if __name__ == "__main__":  # python -m tests.test_controller_imports controller|contract [folder]
