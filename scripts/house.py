@@ -42,13 +42,13 @@ class Arrow:
     names: tuple[str, ...]  # the names it takes (from a import b, c), empty for `import a`
 
 
-def module_name(path: Path) -> str:
-    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+def module_name(path: Path, root: Path = ROOT) -> str:
+    return ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
 
 
 def files(root: Path = ROOT) -> dict[str, Path]:
     """Every module of the house -> its file."""
-    return {module_name(p): p for top in HOUSE for p in sorted((root / top).rglob("*.py"))}
+    return {module_name(p, root): p for top in HOUSE for p in sorted((root / top).rglob("*.py"))}
 
 
 def step_modules(root: Path = ROOT) -> set[str]:
