@@ -7,8 +7,9 @@ Holding the host's slot for the whole night (a manual run on the same host waits
 find the conversations of the data source not trained on by an earlier good night (by sample hash)
 -> none: end here, saying so -> read the current draft -> the training flow on every good night's
 data plus tonight's (capture reuses the cached samples, so only tonight's are captured), warm
-started from the current draft or from scratch -> promote when its acceptance length beats the
-current draft's by more than the margin -> commit the night. A night that fails before the commit
+started from the current draft or from scratch -> promote when its acceptance length is above no
+draft's and a random draft's (by nightly.floor_margin; first night too) and beats the current draft's
+by more than nightly.margin -> commit the night. A night that fails before the commit
 leaves `drafts/current` and the nightly's memory as they were.
 """
 from __future__ import annotations
@@ -97,7 +98,7 @@ def nightly_retrain(
                           "leave extra_hosts empty, or run the training flow for several hosts"])
     run_name = run_folder(run_name, prefix=f"nightly-{nightly.name}-")
     tag_run(host, target)
-    if problems := check_inputs([host], target, data, wait_s=HOST_WAIT_S):  # before the slot: a misspelt host leaves no limit
+    if problems := check_inputs([host], target, data, wait_s=HOST_WAIT_S):  # before the slot: no limit for a typo
         return bad_input(problems)
     with host_slot(host) as waited:
         code = ship_code_task(host)
@@ -115,13 +116,14 @@ def nightly_retrain(
                               data=dataclasses.replace(data, inputs=delta.train_inputs), capture=capture,
                               train=dataclasses.replace(train, warm_start=warm), eval=eval)
         decision = promote_if_better(ctx, trained.draft_dir, trained.figures, metric=nightly.metric,
-                                     margin=nightly.margin,
+                                     margin=nightly.margin, floor_margin=nightly.floor_margin,
                                      context={"run": run_name, "data_fingerprint": trained.data_fingerprint,
                                               "new_samples": delta.new, "warm_start": warm or None})
         commit_night(ctx, delta, promoted=decision.promoted, draft=trained.draft_dir, figures=trained.figures)
     status = "promoted" if decision.promoted else "kept-current"
     _report(run_name, f"{delta.new} new conversations trained on ({'warm start from ' + current.name if warm else 'from scratch'}). "
-                      f"{'Promoted' if decision.promoted else 'Not promoted'}: {decision.reason}.", delta)
+                      + (f"Promoted: {decision.reason}." if decision.promoted else
+                         f"Not promoted, held back by the {decision.held_back_by}: {decision.reason}."), delta)
     return NightlyResult(status=status, run_name=run_name, delta=delta, waited_for_host_s=waited,
                          trained=trained, decision=decision)
 

@@ -1,7 +1,7 @@
 """Promotion: read the current draft's record, and switch `drafts/current` to a better draft.
 
     current = current_draft(ctx)               # CurrentDraft | None: its folder and recorded figures
-    decision = promote_if_better(ctx, draft_dir, figures, metric="acceptance_length", margin=0.05)
+    decision = promote_if_better(ctx, draft_dir, figures, metric="acceptance_length", margin=0.05, floor_margin=0.1)
 
 The decision and the switch run on the host (remote/evaluate/promote.py) under a lock on drafts/, so the
 comparison and the rename are one step there; this side only reads and reports.
@@ -40,6 +40,7 @@ class PromotionDecision(BaseModel):
     current_value: float | None
     current_before: str | None  # the draft that was current when the decision was taken
     current: str  # the drafts/current link on the host
+    held_back_by: str | None = None  # not promoted: "no-draft floor", "random-draft floor" or "current draft"
 
 
 def drafts_root(root: str) -> str:
@@ -68,16 +69,17 @@ def current_draft(ctx: RunContext) -> CurrentDraft | None:
 
 @step_task(name="promote-if-better")
 def promote_if_better(ctx: RunContext, draft_dir: str, figures: dict, *, metric: str, margin: float,
-                      context: dict | None = None) -> PromotionDecision:
-    """Promote the run's draft when its metric beats the current draft's by more than margin."""
+                      floor_margin: float, context: dict | None = None) -> PromotionDecision:
+    """Promote the run's draft when it is above the floors (no draft, a random draft: by floor_margin) and its
+    metric beats the current draft's by more than margin."""
     config = asdict(PromoteConfig(out_dir=ctx.step_dir("promote"), drafts_root=drafts_root(ctx.root),
                                   candidate_dir=draft_dir, name=ctx.run_name, figures=figures, metric=metric,
-                                  margin=margin, context=context or {}))
+                                  margin=margin, floor_margin=floor_margin, context=context or {}))
     m = ctx.run_step("promote", config, timeout=STEP_TIMEOUT_S, title="promote")
     d = m["decision"]
     decision = PromotionDecision(promoted=d["promote"], reason=d["reason"], metric=metric, value=d["value"],
                                  current_value=d["current_value"], current_before=m["current_before"],
-                                 current=m["current"])
+                                 current=m["current"], held_back_by=d.get("held_back_by"))
     create_markdown_artifact(key="promotion", markdown=promotion_markdown(ctx.run_name, decision),
                              description="the nightly's promotion decision")
     get_run_logger().info("%s: %s", "promoted" if decision.promoted else "kept the current draft", decision.reason)
@@ -86,7 +88,7 @@ def promote_if_better(ctx: RunContext, draft_dir: str, figures: dict, *, metric:
 
 def promotion_markdown(run_name: str, d: PromotionDecision) -> str:
     verdict = f"**promoted** `{run_name}`: `drafts/current` now points at it" if d.promoted else \
-        f"**not promoted**: `drafts/current` still points at `{d.current_before}`"
+        f"**not promoted** (held back by the {d.held_back_by}): `drafts/current` still points at `{d.current_before}`"
     cur = "none" if d.current_value is None else f"{d.current_value:.4f}"
     return "\n".join([
         "## Promotion", "", verdict, "", f"Reason: {d.reason}", "",

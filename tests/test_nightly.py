@@ -108,7 +108,8 @@ def test_bad_delta_inputs_fail_as_bad_input(tmp_path):
 def fake_export(path: Path, tag: str) -> Path:
     """A folder shaped like an export (config.json + weights file); promotion only copies it."""
     path.mkdir(parents=True)
-    (path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"], "tag": tag}))
+    (path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"], "tag": tag,
+                                                  "draft_vocab_size": 32}))
     (path / "model.safetensors").write_bytes(os.urandom(256))
     return path
 
@@ -128,20 +129,48 @@ def test_decide():
     def cur(**figures):
         return {"name": "a", "figures": figures}
 
-    assert promote.decide({"m": 1.5}, None, "m", 0.1).promote
-    better = promote.decide({"m": 2.0}, cur(m=1.8), "m", 0.1)
+    def decide(figures, current, metric, margin):  # a draft well above the floors, compared on metric m
+        return promote.decide({"acceptance_length": 2.5, **figures}, current, metric, margin, floor_margin=0.1,
+                              draft_vocab_size=32)
+
+    assert decide({"m": 1.5}, None, "m", 0.1).promote
+    better = decide({"m": 2.0}, cur(m=1.8), "m", 0.1)
     assert better.promote and better.gain == pytest.approx(0.2) and "recorded" in better.reason
-    assert not promote.decide({"m": 1.85}, cur(m=1.8), "m", 0.1).promote  # within the margin
-    assert not promote.decide({"m": 1.0}, cur(m=1.8), "m", 0.0).promote  # worse
-    assert not promote.decide({"m": 9.0}, cur(), "m", 0.0).promote  # nothing to compare with
+    assert not decide({"m": 1.85}, cur(m=1.8), "m", 0.1).promote  # within the margin
+    assert not decide({"m": 1.0}, cur(m=1.8), "m", 0.0).promote  # worse
+    assert not decide({"m": 9.0}, cur(), "m", 0.0).promote  # nothing to compare with
     # the current draft measured beside the candidate in the same run wins over its old record
-    same_run = promote.decide({"m": 2.0, "previous_m": 1.95}, cur(m=1.0), "m", 0.1)
+    same_run = decide({"m": 2.0, "previous_m": 1.95}, cur(m=1.0), "m", 0.1)
     assert not same_run.promote and same_run.current_value == 1.95 and "this run" in same_run.reason
     # an online figure is not compared with an offline one
-    mixed = promote.decide({"m": 3.0, "m_source": "offline"}, cur(m=1.0, m_source="online"), "m", 0.0)
+    mixed = decide({"m": 3.0, "m_source": "offline"}, cur(m=1.0, m_source="online"), "m", 0.0)
     assert not mixed.promote and "not comparable" in mixed.reason
     with pytest.raises(promote.BadInput, match="figure 'm'"):
-        promote.decide({"other": 1.0}, None, "m", 0.0)
+        decide({"other": 1.0}, None, "m", 0.0)
+
+
+def test_a_draft_not_above_no_draft_or_a_random_draft_is_never_promoted():
+    """First night or not: acceptance 1.00 (no token ever accepted) never beats "no current draft"."""
+    useless = promote.decide({"acceptance_length": 1.0}, None, "acceptance_length", 0.05, floor_margin=0.1,
+                             draft_vocab_size=32000)
+    assert not useless.promote and useless.held_back_by == "no-draft floor"
+    assert useless.reason.startswith("acceptance_length 1.0000 is not above the no-draft floor 1.1000 (no draft 1 + "
+                                     "floor_margin 0.1): never promoted; no current draft")
+    # a random draft of 4 tokens accepts up to 1 + 1/3: just above no draft is not enough
+    guess = promote.decide({"acceptance_length": 1.2}, None, "acceptance_length", 0.05, floor_margin=0.1,
+                           draft_vocab_size=4)
+    assert not guess.promote and guess.held_back_by == "random-draft floor" and "random draft of 4 tokens" in guess.reason
+    assert promote.random_draft_acceptance(32000) == pytest.approx(1 + 1 / 31999)
+    good = promote.decide({"acceptance_length": 1.5}, None, "acceptance_length", 0.05, floor_margin=0.1,
+                          draft_vocab_size=4)
+    assert good.promote and good.held_back_by is None
+    # below a floor wins over a better current comparison, and the figures compared stay in the decision
+    worse = promote.decide({"acceptance_length": 1.0}, {"name": "a", "figures": {"acceptance_length": 2.0}},
+                           "acceptance_length", 0.0, floor_margin=0.1, draft_vocab_size=32000)
+    assert worse.held_back_by == "no-draft floor" and worse.current_value == 2.0
+    kept = promote.decide({"acceptance_length": 1.9}, {"name": "a", "figures": {"acceptance_length": 2.0}},
+                          "acceptance_length", 0.0, floor_margin=0.1, draft_vocab_size=32000)
+    assert not kept.promote and kept.held_back_by == "current draft"
 
 
 def test_promotion_switches_current_only_for_a_better_draft(tmp_path):
@@ -410,12 +439,16 @@ def nights(prefect_server, tiny_llama, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.prefect_server
-def test_first_night_trains_and_promotes(nights):
+def test_first_night_with_a_useless_draft_trains_and_promotes_nothing(nights):
+    """Its draft accepts nothing (1.00): not above no draft, so not promoted though nothing is current."""
     nights.add_data("d1", 24, start=0)
     r = nights.run(*WORSE)
-    assert r["status"] == "promoted" and r["delta"]["new"] == 24
-    assert nights.current() == r["run_name"]
+    assert r["status"] == "kept-current" and r["delta"]["new"] == 24
+    assert r["decision"]["value"] == 1.0 and r["decision"]["held_back_by"] == "no-draft floor", r["decision"]
+    assert nights.current() is None and not (nights.root / "drafts" / r["run_name"]).exists()
     assert nights.capture_counts(r["run_name"])["captured"] == 24
+    log = (nights.tmp / f"night-{nights.count}.log").read_text()
+    assert "Not promoted, held back by the no-draft floor: acceptance_length 1.0000 is not above" in log
 
 
 @pytest.mark.slow
@@ -494,7 +527,7 @@ def test_the_nightly_trend_table_has_a_row_per_good_night(nights, prefect_api):
     rows = json.loads(trend.data) if isinstance(trend.data, str) else trend.data
     state = json.loads((nights.root / "nightly" / "default" / "state.json").read_text())
     assert [r["night"] for r in rows] == [n["run"] for n in state["nights"]]
-    assert [r["promoted"] for r in rows][:2] == ["yes", "yes"] and rows[-1]["promoted"] == "no"
+    assert [r["promoted"] for r in rows][:2] == ["no", "yes"] and rows[-1]["promoted"] == "no"
     assert rows[-1]["conversations trained on"] == sum(n["new"] for n in state["nights"])
     assert all(isinstance(r["acceptance length"], float) for r in rows)
 

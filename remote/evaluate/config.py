@@ -125,6 +125,9 @@ class PromoteOptions(Checked):
     """the evaluation figure compared (higher is better)"""
     margin: float = bounded(0.05, ge=0)
     """promote only when the metric beats the current draft's by more than this"""
+    floor_margin: float = bounded(0.1, ge=0)
+    """and only a draft whose acceptance length is above both floors by more than this: no draft's (1.0) and a
+    random draft's of its vocabulary; first night or not"""
 
 
 @dataclass(frozen=True, kw_only=True)

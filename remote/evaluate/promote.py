@@ -1,9 +1,11 @@
 """Promote a draft when it measures better than the current one: an atomic switch of drafts/current.
+A draft whose acceptance length is not above no draft's and a random draft's (by floor_margin) is never
+promoted, first night or not (`decide`, `floors`).
 
     python -m remote.evaluate.promote --config c.json
     # {"out_dir": "<run>/promote", "drafts_root": "<root>/drafts", "candidate_dir": "<run>/export",
     #  "name": "<run>", "figures": {"acceptance_length": 2.1, ...}, "metric": "acceptance_length",
-    #  "margin": 0.05}
+    #  "margin": 0.05, "floor_margin": 0.1}
 
 On the host:
 
@@ -43,6 +45,24 @@ class Decision:
     value: float  # the candidate's metric
     current_value: float | None  # the current draft's metric (None: no current draft or no record)
     gain: float | None  # value - current_value
+    held_back_by: str | None = None  # what kept it: the no-draft floor, the random-draft floor, the current draft
+
+
+NO_DRAFT = 1.0  # the mean acceptance length without a draft: each step makes the target's own one token
+
+
+def random_draft_acceptance(draft_vocab_size: int) -> float:
+    """A bound on the mean acceptance length of a draft of this vocabulary that proposes at random: a proposal
+    is the target's greedy token with chance 1/d, so it accepts 1 + 1/d + 1/d^2 + ... < 1 + 1/(d - 1)."""
+    return NO_DRAFT + 1.0 / max(draft_vocab_size - 1, 1)
+
+
+def floors(draft_vocab_size: int, floor_margin: float) -> dict[str, tuple[float, str]]:
+    """The acceptance lengths a draft must be above to be promoted at all: (floor, what it is), by name."""
+    rand = random_draft_acceptance(draft_vocab_size)
+    return {"no-draft floor": (NO_DRAFT + floor_margin, f"no draft {NO_DRAFT:g} + floor_margin {floor_margin:g}"),
+            "random-draft floor": (rand + floor_margin, f"a random draft of {draft_vocab_size} tokens <= {rand:.6f} "
+                                                        f"+ floor_margin {floor_margin:g}")}
 
 
 def figure(figures: dict, metric: str, where: str) -> float:
@@ -53,13 +73,27 @@ def figure(figures: dict, metric: str, where: str) -> float:
     return float(v)
 
 
-def decide(figures: dict, current: dict | None, metric: str, margin: float) -> Decision:
-    """Promote when there is no current draft, or when the candidate beats it by more than margin.
+def decide(figures: dict, current: dict | None, metric: str, margin: float, *, floor_margin: float,
+           draft_vocab_size: int) -> Decision:
+    """Promote a draft above both floors (`floors`: its acceptance length beats no draft and a random draft
+    of its vocabulary by more than floor_margin) when there is no current draft, or when it beats the
+    current one by more than margin. Below a floor it is never promoted, first night or not.
 
     The current draft's value is, first choice, `previous_<metric>` in the candidate's own figures
     (the evaluation measured the current draft on the same prompts in the same run); else the
     figure recorded when it was promoted, if it was measured the same way (online or offline).
     """
+    against = _against_current(figures, current, metric, margin)
+    acceptance = figure(figures, "acceptance_length", "the candidate's figures")
+    for name, (floor, what) in floors(draft_vocab_size, floor_margin).items():
+        if acceptance <= floor:
+            return Decision(False, f"acceptance_length {acceptance:.4f} is not above the {name} {floor:.4f} ({what}): "
+                                   f"never promoted; {against.reason}", against.value, against.current_value,
+                            against.gain, held_back_by=name)
+    return against
+
+
+def _against_current(figures: dict, current: dict | None, metric: str, margin: float) -> Decision:
     value = figure(figures, metric, "the candidate's figures")
     if current is None:
         return Decision(True, "no current draft", value, None, None)
@@ -70,14 +104,24 @@ def decide(figures: dict, current: dict | None, metric: str, margin: float) -> D
         how, how_now = recorded.get(f"{metric}_source"), figures.get(f"{metric}_source")
         if _finite(cur) and how != how_now:
             return Decision(False, f"the current draft's {metric} was measured {how}, this one's {how_now}: "
-                                   "not comparable, kept the current draft", value, None, None)
+                                   "not comparable, kept the current draft", value, None, None, "current draft")
     if not _finite(cur):
         return Decision(False, f"the current draft {current.get('name')!r} has no {metric} to compare with; "
-                               "kept it", value, None, None)
+                               "kept it", value, None, None, "current draft")
     gain = value - cur
     verdict = f"beats {cur:.4f} by {gain:+.4f} (> margin {margin})" if gain > margin else \
         f"vs current {cur:.4f}: gain {gain:+.4f} is not more than margin {margin}"
-    return Decision(gain > margin, f"{metric} {value:.4f} {verdict}; current {source}", value, cur, gain)
+    return Decision(gain > margin, f"{metric} {value:.4f} {verdict}; current {source}", value, cur, gain,
+                    None if gain > margin else "current draft")
+
+
+def _draft_vocab_size(candidate: Path) -> int:
+    """The draft's vocabulary size, from the exported config.json (vLLM's draft_vocab_size; else vocab_size)."""
+    config = json.loads((candidate / "config.json").read_text())
+    size = config.get("draft_vocab_size") or config.get("vocab_size")
+    if not isinstance(size, int) or size < 1:
+        raise BadInput(f"candidate_dir {candidate}/config.json has no draft_vocab_size: not an exported draft")
+    return size
 
 
 def _finite(v) -> bool:
@@ -124,6 +168,8 @@ def run(raw: dict) -> dict:
     if not (candidate / "config.json").is_file():
         raise BadInput(f"candidate_dir {candidate} holds no config.json: not an exported draft")
     value = figure(cfg.figures, cfg.metric, "the candidate's figures")  # bad input before any lock
+    figure(cfg.figures, "acceptance_length", "the candidate's figures")  # what the floors are checked on
+    vocab_size = _draft_vocab_size(candidate)
     root = Path(cfg.drafts_root)
     root.mkdir(parents=True, exist_ok=True)
     with _locked(root):
@@ -132,10 +178,12 @@ def run(raw: dict) -> dict:
             decision = Decision(True, "already promoted by an earlier try of this run", value,
                                 None, None)
         else:
-            decision = decide(cfg.figures, current, cfg.metric, cfg.margin)
+            decision = decide(cfg.figures, current, cfg.metric, cfg.margin, floor_margin=cfg.floor_margin,
+                              draft_vocab_size=vocab_size)
             if decision.promote:
                 record = {"name": cfg.name, "promoted_at": _now(), "metric": cfg.metric, "figures": cfg.figures,
-                          "source": str(candidate.resolve()), "margin": cfg.margin, "reason": decision.reason,
+                          "source": str(candidate.resolve()), "margin": cfg.margin, "floor_margin": cfg.floor_margin,
+                          "reason": decision.reason,
                           "replaced": None if current is None else {k: current.get(k) for k in ("name", "figures")},
                           "context": cfg.context}
                 publish_draft(candidate, root, cfg.name, record)
