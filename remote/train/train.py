@@ -390,11 +390,15 @@ class Trainer(DeadlinePacing):
         k = cfg.ttt_steps
         # the record's figures come to the host in one copy: each float() of a device tensor waits for the GPU
         got = torch.cat([(self.step_weights * per_step).sum().reshape(1), stats[:, 1] / n, per_step,
-                         gnorm.reshape(1).to(dev, torch.float32), tokens]).tolist()
+                         gnorm.reshape(1).to(dev, torch.float32), stats[:1, 2], tokens]).tolist()
         dt = time.perf_counter() - t0
         self.step += 1
-        return {"step": self.step, "loss": got[0], "acc": [round(a, 6) for a in got[1:1 + k]],
-                "ce": got[1 + k:1 + 2 * k], "lr": lr, "grad_norm": got[-2], "tokens": int(got[-1]), "seconds": dt}
+        rec = {"step": self.step, "loss": got[0], "acc": [round(a, 6) for a in got[1:1 + k]],
+               "ce": got[1 + k:1 + 2 * k], "lr": lr, "grad_norm": got[-3], "loss_tokens": int(got[-2]),
+               "tokens": int(got[-1]), "seconds": dt}
+        if not rec["loss_tokens"]:  # nothing scored (all masked, or no target in the draft vocab): no loss, not a 0
+            rec.update(loss=None, acc=None, ce=None)
+        return rec
 
     def _evaluate_now(self, rec: dict) -> None:
         """Held-out evaluation when one is due: into the step's record, a new best kept aside."""
@@ -468,9 +472,12 @@ class Trainer(DeadlinePacing):
                 self.evals.append(rec)
             tokens += rec["tokens"]
             if self.dist.local_rank == 0 and (self.step % self.cfg.log_every == 0 or self.step == self.total_steps):
-                emit("train", step=rec["step"], loss=rec["loss"], acc=rec["acc"], lr=rec["lr"],
-                     tokens_per_s=rec["tokens"] / rec["seconds"])
-                progress(self.step, self.total_steps, what="steps", loss=round(rec["loss"], 4))
+                if rec["loss"] is None:  # a step without loss tokens: progress, but no loss to show
+                    progress(self.step, self.total_steps, what="steps")
+                else:
+                    emit("train", step=rec["step"], loss=rec["loss"], acc=rec["acc"], lr=rec["lr"],
+                         tokens_per_s=rec["tokens"] / rec["seconds"])
+                    progress(self.step, self.total_steps, what="steps", loss=round(rec["loss"], 4))
             if self.step % self.cfg.checkpoint_every == 0 or self.step == self.end_step or self.stopped_early:
                 t = time.perf_counter()
                 best = best_eval(self.evals)
@@ -565,8 +572,9 @@ def _curves(history: list[dict], most: int = 256) -> dict:
     """The manifest's curves: [step, loss] at every step or an even subsample ending at the last (the
     one thinning; the evaluate report reads these), and [step, acceptance length, replayed] of every
     held-out evaluation."""
-    every = max(1, math.ceil(len(history) / most))
-    keep = history[::every] + ([history[-1]] if (len(history) - 1) % every else [])
+    losses = [r for r in history if r["loss"] is not None]  # a step without loss tokens has none
+    every = max(1, math.ceil(len(losses) / most))
+    keep = losses[::every] + ([losses[-1]] if losses and (len(losses) - 1) % every else [])
     return {"loss_points": [[r["step"], round(r["loss"], 6)] for r in keep],
             "heldout_points": [[r["step"], r["heldout"]["acceptance_length"], r["heldout"]["replayed_acceptance_length"]]
                                for r in history if "heldout" in r]}
@@ -603,10 +611,17 @@ def train(cfg: TrainConfig, out: StepOutput) -> dict | None:
     except BadInput as e:
         (stage / f"bad_input.rank{dist.rank}.txt").write_text(str(e))  # the launcher reads it back
         raise
-    last = trainer.history[-1]
-    figures.update(final_loss=last["loss"], final_acc=last["acc"], steps=trainer.step, **_heldout_figures(trainer))
+    scored = [r for r in trainer.history if r["loss"] is not None]
+    if scored:  # none when no step had a loss token: no final loss then, rather than a 0
+        figures.update(final_loss=scored[-1]["loss"], final_acc=scored[-1]["acc"])
+    figures.update(steps=trainer.step, **_heldout_figures(trainer))
+    skipped = len(trainer.history) - len(scored)
+    if skipped:
+        log(f"train: {skipped} of {len(trainer.history)} steps had no loss tokens (every position masked, or no "
+            "target token in the draft vocabulary): left out of the logged loss, not counted as 0")
     counts = {"train_samples": len(trainer.index.refs), "steps": trainer.step, "world_size": dist.world,
-              "nnodes": cfg.nnodes, "tokens": sum(r["tokens"] for r in trainer.history)}
+              "nnodes": cfg.nnodes, "tokens": sum(r["tokens"] for r in trainer.history),
+              "steps_without_loss_tokens": skipped}
     if trainer.window:
         counts.update(window=cfg.window, windows=trainer.window.windows, total_steps=trainer.total_steps)
     dist.barrier()
