@@ -87,7 +87,8 @@ def arrows(module: str, path: Path, known: set[str]) -> list[Arrow]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:  # relative: from . import x / from ..a import b
-                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                anchor = package.rsplit(".", node.level - 1)[0]
+                base = f"{anchor}.{base}" if base else anchor
             for a in node.names:
                 target = f"{base}.{a.name}" if f"{base}.{a.name}" in known else _within(base, known)
                 found.append(Arrow(module, target, (a.name,)))

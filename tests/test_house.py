@@ -43,7 +43,7 @@ def test_the_drawing_reads_the_layers_and_every_import(tmp_path):
         "remote/s/b.py": "import torch\nfrom remote.s.lib import h\n",
         "remote/s/lib.py": "from remote.s.lib2 import k\n",
         "remote/s/lib2.py": "def f():\n    import remote.s.lib\n",
-        "remote/s/lib3.py": "from remote.s.a import y\n",
+        "remote/s/lib3.py": "from .a import y\n",  # relative
         "remote/d/__init__.py": "from remote.d.model import M\n",
         "remote/d/config.py": "",
         "tasks/t.py": "from remote.s.config import C\ndef f():\n    import torch\n    from remote.s.lib import h\n",
