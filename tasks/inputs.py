@@ -88,7 +88,7 @@ def reach(params: HostParams, wait_s: float) -> Host:
                                "longer (wait_s)") from None
             pause = min(pause, wait_s - waited)
             _logger().info("%s does not answer (%s); trying again in %.0f s (%.0f s of wait_s %g gone)",
-                                  host.name, e, pause, waited, wait_s)
+                           host.name, e, pause, waited, wait_s)
             time.sleep(pause)
             pause = min(2 * pause, BACKOFF_MAX_S)
         except BaseException:

@@ -92,7 +92,8 @@ def test_a_host_that_does_not_answer_is_tried_for_wait_s_then_refused(prefect_ha
     state = train_draft(host=sshd.params(port=port, wait_s=4, root=str(tmp_path / "root")), return_state=True)
     seconds = time.monotonic() - started
     assert state.is_failed() and seconds >= 4
-    assert state.message.startswith(f"bad input: host: 127.0.0.1:{port} did not answer in 4 s of trying ("), state.message
+    assert state.message.startswith(f"bad input: host: 127.0.0.1:{port} did not answer in 4 s of trying ("), \
+        state.message
     assert f"wait_s 4): " in state.message and f"sshd listens on 127.0.0.1:{port}" in state.message
     logs, tasks = _run_log(state)
     assert tasks == ["check-inputs"]
