@@ -65,7 +65,7 @@ from remote.train.pacing import DeadlinePacing
 from remote.train.profiling import GcClock, Profiled, compile_figures
 from remote.train.state import (Checkpoints, Distributed, Top1Flags, cpu_bf16_matmuls, load_target_head_weights,
                                 save_weights)
-from remote.train.windows import TrainWindow
+from remote.train.window import TrainWindow
 
 STEP = "train"
 
