@@ -1,7 +1,7 @@
 """Wait for a flow run to end and print its result: the figures, or why it failed.
 
-    prefect deployment run 'train-draft/demo'          # "Created flow run 'gentle-fox'", and its UUID
-    python -m flows.result gentle-fox                   # or the UUID, or the run's folder (20261203-065949)
+    prefect deployment run 'train-draft/demo'          # prints the new run's UUID
+    python -m flows.result <UUID>                       # or, once it started, its name or folder (20261203-065949)
 
 Prints the run's name, final state and time; then, when it completed, the acceptance length and
 speed-up and its persisted result as JSON (TrainDraftResult or NightlyResult: paths on the host and
