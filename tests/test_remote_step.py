@@ -115,6 +115,35 @@ def test_in_a_task_lines_reach_the_run_log_and_progress_an_artifact(prefect_harn
 
 
 @pytest.mark.slow
+def test_a_failed_step_keeps_its_progress_card_and_a_try_that_ends_well_removes_them(prefect_harness, probe_src,
+                                                                                    tmp_path):
+    host = open_host(HostParams(root=str(tmp_path / "root")))
+    code = ship_code(host, probe_src)
+
+    @task(retries=1, retry_delay_seconds=0, cache_policy=NO_CACHE)
+    def first_try_fails(run: str):
+        tried = tmp_path / f"{run}.tried"
+        mode = "ok" if tried.exists() else "no_manifest"  # no_manifest: its progress, then a fault
+        tried.write_text(mode)
+        run_dir = host.path("runs", run)
+        return run_step_in_task(host, code, "probe", {"out_dir": posixpath.join(run_dir, "probe"), "lines": 2,
+                                                      "mode": mode}, run_dir=run_dir, timeout=60, progress_title="cards")
+
+    @flow
+    def cards_flow(run: str, retries: int):
+        return first_try_fails.with_options(retries=retries)(run)
+
+    failed = cards_flow("failed", 0, return_state=True)
+    assert failed.is_failed()
+    _, progress, _ = _read_back(failed.state_details.flow_run_id)
+    assert [p.data for p in progress] == [100.0], "the failed step's card stays where it stopped"
+    retried = cards_flow("retried", 1, return_state=True)
+    assert retried.is_completed()
+    _, progress, task_runs = _read_back(retried.state_details.flow_run_id)
+    assert [t.run_count for t in task_runs] == [2] and progress == [], "the failed try's card went with the last"
+
+
+@pytest.mark.slow
 def test_bad_input_is_not_retried_but_a_crash_is(prefect_harness, probe_src, tmp_path):
     host = open_host(HostParams(root=str(tmp_path / "root")))
     code = ship_code(host, probe_src)
