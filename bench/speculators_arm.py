@@ -16,7 +16,7 @@ the same samples in the same order per seed and epoch), each sample shifted the 
 own pipeline does (speculators/models/eagle3/data.py: token t+1 beside the state of token t, so a
 sample of n tokens trains n - 1 rows).
 
-The trained draft is written as eaglet's export (remote.train.export's file names and config.json,
+The trained draft is written as eaglet's export (remote.draft.folder's files, remote.draft.eagle3's config.json,
 the norm flags set), so remote.evaluate measures it exactly as it measures eaglet's. The manifest
 also holds `own_forward`: speculators' own forward on the held-out split, its guesses scored by
 remote.evaluate.chains' chain math (score_chains, the same batches as the evaluate step): equal figures
@@ -37,13 +37,14 @@ from bench.train_bench import speculators_draft
 from remote.capture.store import CaptureSet
 from remote.draft.config import DraftConfig
 from remote.draft.data import CaptureIndex, epoch_order, pack
+from remote.draft.eagle3 import vllm_config
+from remote.draft.folder import DTYPES, write_folder
 from remote.draft.loss import PackedBatch, TargetHead
+from remote.draft.vocab import DraftVocab
 from remote.evaluate.acceptance import ChainCounts
 from remote.evaluate.chains import heldout_plan, score_chains
-from remote.step import BadInput, StepOutput, load_config, log, step_main, write_json_atomic
-from remote.train.export import DTYPES, vllm_config
+from remote.step import BadInput, StepOutput, load_config, log, step_main
 from remote.train.state import load_target_head_weights
-from remote.draft.vocab import DraftVocab
 
 STEP = "speculators_arm"
 NORM_FLAGS = ("norm_before_fc", "norm_before_residual", "norm_output")
@@ -189,8 +190,6 @@ class Arm:
 
     def export(self, stage: Path) -> None:
         """The trained draft as eaglet's export folder: `layers.0.` is eaglet's `midlayer.`, the rest keeps its name."""
-        from safetensors.torch import save_file
-
         sd = self.model.state_dict()
         keep = ("fc.weight", "norm.weight", "lm_head.weight") + (("input_norm.weight",) if self.cfg.norms else ())
         w = {k: sd[k] for k in keep}
@@ -200,8 +199,7 @@ class Arm:
         tensors["t2d"] = self.vocab.t2d.to(torch.bool).contiguous()
         flags = {f: True for f in NORM_FLAGS} if self.cfg.norms else {}
         d = DraftConfig(**{**self.dcfg.to_dict(), **flags})
-        save_file(tensors, str(stage / "model.safetensors"), metadata={"format": "pt"})
-        write_json_atomic(stage / "config.json", vllm_config(d, "bfloat16"))
+        write_folder(stage, vllm_config(d, "bfloat16"), tensors)
 
     @torch.no_grad()
     def own_forward(self) -> dict:

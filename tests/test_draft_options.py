@@ -11,7 +11,7 @@ import torch
 
 from remote.draft.config import DraftConfig
 from remote.draft.model import EagleDraft, TTTAttention
-from remote.train.export import OPTIONS as FLAGS  # the DraftConfig fields the export writes for vLLM
+from remote.draft.eagle3 import OPTIONS as FLAGS  # the DraftConfig fields the export writes for vLLM
 from tests.fixtures.draft import CFG, K, OPTION_SETS, batch, reference_states, rms, setup
 
 OPTIONS = {

@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from remote.train.export import OPTIONS, draft_config_from_export, draft_weight_names
+from remote.draft.eagle3 import OPTIONS
+from remote.draft.folder import read_folder, weight_names
 from remote.train.export import main as export_main
 from remote.step import EXIT_BAD_INPUT
 from remote.train.train import main as train_main
@@ -67,7 +68,8 @@ def test_folder_has_what_vllm_reads(target, exported):
     n = cfg["draft_vocab_size"]  # 256 asked; fewer when the generations use fewer distinct tokens
     assert 0 < n <= 256 and cfg["vocab_size"] == 512 and cfg["target_hidden_size"] == 128
     w = load_file(str(out / "model.safetensors"))
-    weights = draft_weight_names(draft_config_from_export(cfg))  # no options: fc, midlayer.*, norm, lm_head
+    folder = read_folder(out)  # the one reader: its kind by architecture, its config read back
+    weights = weight_names(folder.kind, folder.draft_config())  # no options: fc, midlayer.*, norm, lm_head
     assert len(weights) == 13 and not any(k.startswith(("input_norm", "fc_norm")) for k in weights)
     assert set(w) == set(weights) | {"d2t", "t2d"} and not any("embed_tokens" in k for k in w)
     assert w["midlayer.self_attn.q_proj.weight"].shape == (128, 256)  # q/k/v read [embedding, state]: 2H

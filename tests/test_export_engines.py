@@ -20,7 +20,7 @@ import pytest
 
 from remote.draft.config import DraftConfig
 from remote.step import BadInput
-from remote.train.export import vllm_config
+from remote.draft.eagle3 import vllm_config
 
 # The shapes of the targets' own config.json files.
 LLAMA31_8B = {"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from remote.draft.config import DraftConfig
+from remote.draft.folder import load_model, read_folder
 from remote.draft.model import EagleDraft, TTTAttention
-from remote.train.export import draft_config_from_export
 from remote.train.export import main as export_main
 from remote.train.state import load_target_head_weights
 from remote.train.vocab import choose_vocab
@@ -92,13 +92,10 @@ def recorded(target, drafts, tmp_path_factory):  # noqa: F811
 
 
 def _eaglet_draft(export_dir: Path, target: Path) -> tuple[EagleDraft, torch.Tensor]:  # noqa: F811
-    d = draft_config_from_export(json.loads((export_dir / "config.json").read_text()))
-    w = load_file(str(export_dir / "model.safetensors"))
-    draft = EagleDraft(d)
-    # strict: the exported names are the model's own, as the trainer's warm start needs them
-    draft.load_state_dict({**{k: v for k, v in w.items() if k not in ("d2t", "t2d")},
-                           "embed_tokens.weight": load_target_head_weights(target, d)[0].float()})
-    return draft.eval(), torch.arange(d.draft_vocab_size) + w["d2t"]
+    folder = read_folder(export_dir)  # the evaluate step's reader: every exported name is the model's own
+    d = folder.draft_config()
+    draft, _ = load_model(folder, d, load_target_head_weights(target, d)[0], torch.float32)
+    return draft.eval(), torch.arange(d.draft_vocab_size) + folder.weights()["d2t"]
 
 
 @pytest.mark.vllm

@@ -12,7 +12,7 @@ import torch
 
 from remote.draft.config import DraftConfig
 from remote.draft.model import EagleDraft, apply_rope
-from remote.train.export import draft_config_from_export, vllm_config
+from remote.draft.eagle3 import draft_config_from_export, vllm_config
 
 TARGET = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 512,
           "vocab_size": 1000, "rms_norm_eps": 1e-5}

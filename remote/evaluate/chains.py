@@ -5,7 +5,8 @@
     tally.all_reduce(dist).summary(k)                            # the figures (every rank's batches summed)
 
 The evaluate step and the trainer's held-out evaluation both count here, so the two figures are the same
-measure; the chain math is remote.evaluate.acceptance, the unroll and alignment remote.draft.loss.
+measure; each draft proposes by its kind's rule (remote.draft.registry), the chain math is
+remote.evaluate.acceptance.
 """
 from __future__ import annotations
 
@@ -13,20 +14,16 @@ from dataclasses import dataclass
 
 import torch
 
+from remote.draft.registry import kind_of_model
 from remote.evaluate.acceptance import ChainCounts, chain_counts, greedy_walk, leading_right, turn_spans
 
 
 def chain_of_batch(draft, head, b, steps: int, k: int, attention: str = "dense",
                    compiled: bool = False) -> tuple[ChainCounts, int, int]:
-    """Chain counts of one packed batch (start row t, step j guesses token t+2+j from token t+1+j:
-    remote.draft.loss.unroll, the training objective's own) and (drafts, accepted) of greedy
-    decoding with k speculative tokens replayed along its turns."""
-    from remote.draft.loss import unroll
-    from remote.draft.model import TTTAttention
-
-    guesses = [draft.lm_head(normed).argmax(-1)
-               for _, normed in unroll(draft, b, steps, TTTAttention(b.doc_ids, attention, compiled))]
-    return score_chains(torch.stack(guesses, 1), head, b, k)
+    """Chain counts of one packed batch (start row t, step j guesses token t+2+j: the draft's kind's proposal
+    rule, remote.draft.registry.DraftKind.guesses) and (drafts, accepted) of greedy decoding with k
+    speculative tokens replayed along its turns."""
+    return score_chains(kind_of_model(draft).guesses(draft, b, steps, attention, compiled), head, b, k)
 
 
 def score_chains(guesses: torch.Tensor, head, b, k: int) -> tuple[ChainCounts, int, int]:

@@ -22,44 +22,31 @@ else the replayed offline one).
 """
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 import torch
 
+from remote.draft.folder import DraftFolder, read_folder
 from remote.evaluate.chains import chain_tally, heldout_plan
 from remote.evaluate.config import EvaluateConfig
 from remote.evaluate.online import check_draft, measure_online, summary
 from remote.step import BadInput, begin_step, log, read_manifest, step_main, write_json_atomic
-from remote.train.export import draft_config_from_export
 
 STEP = "evaluate"
 RESULT_FILE = "evaluation.json"
 
 
 # ----------------------------------------------------------------------------- the draft as a model
-def load_draft(draft_dir: str, target: str, device: torch.device, dtype: torch.dtype):
-    """(EagleDraft with the target's embedding, TargetHead, t2d) for an exported draft folder."""
-    from safetensors.torch import load_file
-
+def load_draft(folder: DraftFolder, target: str, device: torch.device, dtype: torch.dtype):
+    """(the draft as its kind's model with the target's embedding, TargetHead, t2d) of an exported draft folder."""
+    from remote.draft.folder import load_model
     from remote.draft.loss import TargetHead
-    from remote.draft.model import EagleDraft
     from remote.train.state import load_target_head_weights
 
-    dcfg = draft_config_from_export(json.loads((Path(draft_dir) / "config.json").read_text()))
-    weights = {}
-    for f in sorted(Path(draft_dir).glob("*.safetensors")):
-        weights.update(load_file(str(f)))
-    weights.pop("d2t")  # offline guesses are compared in draft ids; t2d maps the target's
-    t2d = weights.pop("t2d").bool()
+    dcfg = folder.draft_config()
     embed, lm_head, norm = load_target_head_weights(Path(target), dcfg)
-    draft = EagleDraft(dcfg)
-    missing, unexpected = draft.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
-    if set(missing) != {"embed_tokens.weight"} or unexpected:
-        raise BadInput(f"draft {draft_dir}: weights missing {sorted(set(missing) - {'embed_tokens.weight'})}, "
-                       f"unexpected {sorted(unexpected)}")
-    draft.embed_tokens.weight = torch.nn.Parameter(embed.to(dtype), requires_grad=False)
+    draft, t2d = load_model(folder, dcfg, embed, dtype)
     head = TargetHead.from_weights(norm, lm_head, t2d, dcfg.rms_norm_eps, drop_outside_top1=True)
     return draft.to(device, dtype).eval(), head.to(device, dtype), t2d
 
@@ -71,13 +58,14 @@ def measure_offline(cfg: EvaluateConfig, steps: int) -> dict:
     from remote.draft.data import CaptureIndex
 
     capture = CaptureSet.from_manifest(cfg.capture_dir)
-    aux = json.loads((Path(cfg.draft_dir) / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"]
-    if list(capture.layer_ids) != list(aux):
+    folder = read_folder(cfg.draft_dir)
+    aux = list(folder.draft_config().aux_layer_ids)
+    if list(capture.layer_ids) != aux:
         raise BadInput(f"capture {cfg.capture_dir} holds layers {list(capture.layer_ids)}, the draft reads {aux}")
     index = CaptureIndex.build(capture, split="heldout")
     cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     device, dtype = torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32
-    draft, head, t2d = load_draft(cfg.draft_dir, cfg.target, device, dtype)
+    draft, head, t2d = load_draft(folder, cfg.target, device, dtype)
     t0 = time.perf_counter()
     plan = heldout_plan(index, cfg.token_budget, cfg.offline_max_tokens)
     loss_ids = []  # the held-out loss tokens, for the vocabulary's coverage of them

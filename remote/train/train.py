@@ -52,10 +52,10 @@ from pathlib import Path
 import torch
 
 from remote.capture.store import CaptureSet
-from remote.draft.config import DraftConfig
 from remote.draft.data import CaptureIndex, epochs_for, plan_steps
-from remote.draft.loss import TargetHead, TTTObjective, step_weights
-from remote.draft.model import EagleDraft
+from remote.draft.folder import read_weights
+from remote.draft.loss import TargetHead, step_weights
+from remote.draft.registry import DEFAULT, kind
 from remote.draft.vocab import DraftVocab
 from remote.evaluate.chains import chain_tally, heldout_plan
 from remote.step import BadInput, StepOutput, begin_step, emit, log, progress, step_main, write_json_atomic
@@ -94,7 +94,7 @@ class Trainer(DeadlinePacing):
         # costs only the packing's unfilled tail.
         self.pad = cfg.pad_multiple or (cfg.token_budget if self.compiled else 1)
         inputs = resolve_inputs(cfg)
-        self.capture, self.vocab, self.dcfg, self.target = inputs
+        self.capture, self.vocab, self.kind, self.dcfg, self.target = inputs
         # bf16 autocast on a GPU; on a CPU that does bf16 in hardware, for drafts wide enough that their matmuls
         # outweigh autocast's casts: measured on an AMX Xeon, the demo's (H 576) step took 0.74x float32's time, the
         # tests' tiny drafts' (H 64) 1.3-2.5x; the line at 256 lies between the two, not measured itself
@@ -171,7 +171,7 @@ class Trainer(DeadlinePacing):
         cfg, dev = self.cfg, self.dist.device
         embed, lm_head, norm_w = load_target_head_weights(self.target, self.dcfg)
         torch.manual_seed(cfg.seed)  # the same initial draft on every rank (DDP also broadcasts rank 0's)
-        draft = EagleDraft(self.dcfg)
+        draft = self.kind.model(self.dcfg)
         draft.embed_tokens.weight = torch.nn.Parameter(embed.to(self.dtype), requires_grad=False)
         if cfg.init_lm_head_from_target:
             with torch.no_grad():
@@ -190,7 +190,7 @@ class Trainer(DeadlinePacing):
             self._check_top1(full)
         full.other_rows = None  # the steps need only the draft rows
         self.head = full
-        self.objective = TTTObjective(draft, cfg.ttt_steps, cfg.step_decay, self._attention, compiled=self.compiled)
+        self.objective = self.kind.objective(draft, cfg.ttt_steps, cfg.step_decay, self._attention, self.compiled)
         self.model = self.dist.wrap(self.objective)
         self.params = [p for p in draft.parameters() if p.requires_grad]
 
@@ -198,20 +198,15 @@ class Trainer(DeadlinePacing):
     def _attention(self) -> str:
         return "flex" if self.cuda else "dense"
 
-    def _warm_start(self, draft: EagleDraft) -> None:
+    def _warm_start(self, draft: torch.nn.Module) -> None:
         """Start from an exported draft (the nightly retrain): every weight as it is, but lm_head by token.
 
         The draft vocabulary may have changed since (new data, new top tokens): lm_head rows of
         target tokens in both vocabularies are carried over, rows of new tokens keep the fresh
         draft's start (the target's rows, with init_lm_head_from_target). Other shapes must match.
         """
-        from safetensors.torch import load_file
-
         src = self.cfg.warm_start
-        p = Path(src) / "model.safetensors"
-        if not p.is_file():
-            raise BadInput(f"warm_start {src}: no model.safetensors")
-        w = load_file(str(p))
+        w = read_weights(src, f"warm_start {src}")
         own = draft.trainable_state_dict()
         missing = [k for k in own if k not in w]
         bad = [f"{k} {tuple(w[k].shape)} (this draft: {tuple(own[k].shape)})" for k in own
@@ -555,9 +550,10 @@ def resolve_inputs(cfg: TrainConfig):
     target = Path(cfg.target or capture.target)
     if not (target / "config.json").is_file():
         raise BadInput(f"target {target}: no config.json (set target in the train config)")
+    draft_kind = kind(DEFAULT)
     try:
-        dcfg = DraftConfig.from_target_dir(target, draft_vocab_size=len(vocab.d2t), aux_layer_ids=capture.layer_ids,
-                                           **cfg.draft_overrides)
+        dcfg = draft_kind.config.from_target_dir(target, draft_vocab_size=len(vocab.d2t),
+                                                 aux_layer_ids=capture.layer_ids, **cfg.draft_overrides)
     except (KeyError, TypeError, ValueError) as e:
         raise BadInput(f"target {target}/config.json: {e}") from e
     if len(vocab.t2d) != dcfg.target_vocab_size:
@@ -565,7 +561,7 @@ def resolve_inputs(cfg: TrainConfig):
     if capture.hidden_size != (dcfg.target_hidden_size or dcfg.hidden_size):
         raise BadInput(f"capture {cfg.capture_dir} has hidden size {capture.hidden_size}, target {target} has "
                        f"{dcfg.hidden_size}")
-    return capture, vocab, dcfg, target
+    return capture, vocab, draft_kind, dcfg, target
 
 
 def _curves(history: list[dict], most: int = 256) -> dict:
@@ -653,7 +649,8 @@ def _publish_draft(cfg: TrainConfig, out: StepOutput, trainer: Trainer, counts: 
     return out.publish(
         counts=counts,
         figures=figures,
-        train={"final": True, "weights": "model.safetensors", "draft_config": "draft_config.json", "loss_curve": "loss.jsonl",
+        train={"final": True, "kind": trainer.kind.name, "weights": "model.safetensors", "draft_config": "draft_config.json",
+               "loss_curve": "loss.jsonl",
                "weights_step": best["step"] if best else trainer.step, "precision": "bf16" if trainer.amp else "fp32",
                "layer_ids": list(trainer.capture.layer_ids), "target": str(trainer.target),
                "capture_dir": cfg.capture_dir, "vocab_dir": cfg.vocab_dir, "data_fingerprint": _fingerprint(cfg.capture_dir),
