@@ -20,6 +20,7 @@ LOG_TAIL = 20  # log lines of the failed step in the report (the remote lines ca
 EVENT = "eaglet.run.failed"
 AUTOMATION = "eaglet: a run failed"
 BLOCK = "custom-webhook/eaglet-failures"  # <block type slug>/<block name>: prefect.yaml's default
+_told_missing: set[str] = set()  # blocks already said to be missing: `prefect deploy --all` asks once a deployment
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,9 @@ def declare_failure_automation(block: str = BLOCK) -> dict:
     try:
         target = Block.load(block)
     except (ValueError, ObjectNotFound):
-        print(f"no notification block {block}: failed runs are reported in the UI only (docs/DEPLOYING.md)")
+        if block not in _told_missing:
+            print(f"no notification block {block}: failed runs are reported in the UI only (docs/DEPLOYING.md)")
+            _told_missing.add(block)
         return {"automation": ""}
     automation = Automation(
         name=AUTOMATION, description="post the failure report of every failed eaglet run to " + block,

@@ -332,6 +332,15 @@ def failure_automation(prefect_api, webhook):
     Automation.read(name=AUTOMATION).delete()
 
 
+def test_a_missing_notification_block_is_said_once_a_deploy(prefect_harness, capsys):
+    """`prefect deploy --all` runs the build step once a deployment (five): one line, not five."""
+    from tasks.notify import declare_failure_automation
+
+    for _ in range(5):
+        assert declare_failure_automation("custom-webhook/eaglet-test-no-block") == {"automation": ""}
+    assert capsys.readouterr().out.count("no notification block custom-webhook/eaglet-test-no-block") == 1
+
+
 def wait_for_posts(webhook, n: int = 1, timeout: float = 90) -> list[dict]:
     import time as _time
 
