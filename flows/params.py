@@ -4,18 +4,24 @@ The groups of step settings are the steps' own Options dataclasses (remote/<stag
 name and one default per setting, from the form to the host; pydantic reads them, with each
 field's docstring as its description). Every default runs the embedded demo (the local host,
 SmolLM2-135M-Instruct and a ShareGPT sample from PyPI); a preset in deployments/ overrides a few.
+
+The host's GPU count is stated once, `host.gpus`: capture, data.regenerate and eval tensor_parallel_size and
+train.nproc_per_node left at 0 take it when the parameters are read (`TrainDraftParams`), each still set
+on its own where it should differ; a count above host.gpus is refused, naming the parameter.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from remote.capture.config import CaptureOptions as CaptureParams
 from remote.config import TargetOptions as TargetParams
+from remote.config import bounded
 from remote.data.config import DataOptions as DataParams
+from remote.engine.config import HOST_GPUS, gpu_count
 from remote.evaluate.config import EvaluateOptions as EvalParams
 from remote.train.config import TrainOptions, VocabOptions
 from tasks.host import HostParams
@@ -32,6 +38,10 @@ class _Params(BaseModel):
 @dataclass(frozen=True, kw_only=True)
 class TrainParams(TrainOptions, VocabOptions):
     """The train group: the draft vocabulary's size (the vocab step) and the trainer's settings."""
+
+    nproc_per_node: int = bounded(HOST_GPUS, ge=0)
+    """training processes on each host (one a GPU, or gloo processes on a CPU); 0: the host's, host.gpus (1 when
+    it is not stated or 0)"""
 
 
 class RendezvousParams(_Params):
@@ -54,6 +64,29 @@ class TrainDraftParams(_Params):
     train: TrainParams = Field(default_factory=TrainParams)
     eval: EvalParams = Field(default_factory=EvalParams)
 
+    @model_validator(mode="after")
+    def _counts_from_host_gpus(self) -> "TrainDraftParams":
+        """Every GPU count left at 0 takes host.gpus (1 on a one-device backend); one above it is refused."""
+        gpus = self.host.gpus
+        for i, h in enumerate(self.extra_hosts):
+            if h.gpus is not None and h.gpus != gpus:
+                raise ValueError(f"extra_hosts[{i}].gpus={h.gpus} differs from host.gpus={gpus}: the hosts of a run "
+                                 "capture and train alike; state the same count on each")
+        regen = self.data.regenerate
+        counted = {"capture": replace(self.capture, tensor_parallel_size=_tp("capture", self.capture, gpus)),
+                   "data": replace(self.data, regenerate=replace(regen, tensor_parallel_size=_tp(
+                       "data.regenerate", regen, gpus))),
+                   "eval": replace(self.eval, tensor_parallel_size=_tp("eval", self.eval, gpus)),
+                   "train": replace(self.train, nproc_per_node=gpu_count("train.nproc_per_node",
+                                                                         self.train.nproc_per_node, gpus))}
+        for name, value in counted.items():
+            if value != getattr(self, name):
+                given = name in self.model_fields_set
+                setattr(self, name, value)
+                if not given:  # derived, not given: a preset's dump (flows.presets) keeps only its own sections
+                    self.model_fields_set.discard(name)
+        return self
+
     @classmethod
     def from_preset(cls, path: str | Path | None, overrides: dict | None = None) -> "TrainDraftParams":
         """A preset file (JSON; none: the defaults) with dotted-key overrides, e.g. {"train.epochs": 1}."""
@@ -65,3 +98,10 @@ class TrainDraftParams(_Params):
                 node = node.setdefault(p, {})
             node[leaf] = value
         return cls.model_validate(data)
+
+
+def _tp(group: str, opts, gpus: int | None) -> int:
+    """`group`.tensor_parallel_size with 0 resolved: the transformers backend runs on one device."""
+    if getattr(opts, "backend", "vllm") == "transformers":
+        return opts.tensor_parallel_size or 1  # another count is refused by the step's own config, by name
+    return gpu_count(f"{group}.tensor_parallel_size", opts.tensor_parallel_size, gpus)

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from remote.capture.store import read_shard, write_shard
-from remote.evaluate.online import check_draft, heldout_prompts
+from remote.evaluate.online_measure import check_draft, heldout_prompts
 from remote.step import EXIT_BAD_INPUT, BadInput
 from tests.fixtures.export import random_like
 from tests.fixtures.train_inputs import generated_capture
@@ -216,7 +216,7 @@ def test_the_cpu_engine_computes_with_a_thread_a_core(monkeypatch):
     """The in-process CPU engine's torch threads: one a core by default (one fewer left a core idle: 1.35x slower
     decoding on 2 cores, bench/results/eval_threads-cpu-20261205.json), or what cpu_threads says."""
     from remote.evaluate.config import OnlineConfig
-    from remote.evaluate.online import _prepare_process
+    from remote.evaluate.online_measure import _prepare_process
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # undone after the test, as what the function sets
     threads = torch.get_num_threads()
@@ -230,7 +230,7 @@ def test_the_cpu_engine_computes_with_a_thread_a_core(monkeypatch):
 
 def test_generation_stops_at_the_time_budget():
     """The batching loop of every arm's first run, with a plain function standing in for llm.generate."""
-    from remote.evaluate.online import generate_within
+    from remote.evaluate.online_measure import generate_within
 
     def slow_generate(batch):
         time.sleep(0.05)

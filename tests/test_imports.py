@@ -38,7 +38,7 @@ def test_remote_imports_neither_prefect_nor_fabric():
 
 def test_step_configs_import_the_standard_library_only():
     configs = [m for m in _modules("remote") if m.endswith(".config") and m != "remote.draft.config"]
-    assert len(configs) == 5, configs  # remote.config and one a stage: data, capture, train, evaluate
+    assert len(configs) == 6, configs  # remote.config, one a stage (data, capture, train, evaluate), the engine's
     assert _loaded_after_importing(configs, ["torch", "numpy", "vllm", "transformers", "pydantic", "prefect"]) == []
 
 

@@ -105,7 +105,7 @@ class HfCapture:
                                  use_cache=False, output_hidden_states=True, logits_to_keep=1)
         finally:
             hook.remove()
-        # no aux layers: a subclass that only generates (remote.data.regenerate_engines) probes causality on the last
+        # no aux layers: a generator's target (remote.data.regenerate_engines.HfGenerator) probes causality on the last
         aux = torch.cat([out.hidden_states[i] for i in self.layer_ids] or [out.hidden_states[-1][..., :0]], dim=-1)
         real = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).to(aux.device)  # [B, width]: not padding
         aux, last = aux[real].to("cpu"), final["h"][real].to("cpu")

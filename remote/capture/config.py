@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from remote.config import Checked, ConfigError, bounded
+from remote.engine.config import DTYPES, EngineOptions, one_when_unset
 
 # backend name -> "module:Class" (remote.capture.backend.make_backend builds it); Backend lists the names
 BACKENDS = {
@@ -13,23 +14,16 @@ BACKENDS = {
     "transformers": "remote.capture.backend_transformers:HfCapture",
 }
 Backend = Literal[tuple(BACKENDS)]
-DTYPES = ("auto", "bfloat16", "float16", "float32")
 FP8 = "fp8"
 STORAGE_DTYPES = ("auto", FP8)
 
 
 @dataclass(frozen=True, kw_only=True)
-class PatchWorkerOptions(Checked):
-    """What the capture worker is checked for before the capture starts."""
+class PatchWorkerOptions(EngineOptions):
+    """What the capture worker is checked for before the capture starts: the engine it will run in (EngineOptions)."""
 
-    tensor_parallel_size: int = bounded(1, ge=1)
-    """GPUs the target is split over (8 on a Kimi-K2.5 host; CPU ranks on a CPU host)"""
     layer_ids: list[int] | None = None
     """aux hidden-state indices (HF numbering); none: (2, N//2, N-3)"""
-    gpu_memory_utilization: float = bounded(0.85, gt=0, le=1)
-    """share of each GPU's memory vLLM may take"""
-    cpu_kvcache_gib: int = bounded(2, ge=1)
-    """KV cache per rank on a CPU host (VLLM_CPU_KVCACHE_SPACE), GiB"""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,12 +36,6 @@ class CaptureOptions(PatchWorkerOptions):
     """samples packed in one capture shard (the unit of resume)"""
     max_shard_gib: float = bounded(4.0, gt=0)
     """a shard also closes before it would pass this size (GiB): bounds memory"""
-    max_num_seqs: int = bounded(64, ge=1)
-    """requests in flight in the engine (vllm)"""
-    max_num_batched_tokens: int = bounded(8192, ge=1)
-    """tokens of one forward pass: vLLM's step budget, the transformers backend's pack size"""
-    dtype: Literal[DTYPES] = "auto"
-    """of the forward (and of the shards, with storage_dtype auto); auto: the target's own (config.json)"""
     storage_dtype: Literal[STORAGE_DTYPES] = "auto"
     """of the states on disk; auto: the capture dtype; fp8: float8 e4m3 with a float32 scale per token and
     layer, about half of bf16's bytes (read back in the capture dtype, within e4m3's rounding)"""
@@ -55,12 +43,8 @@ class CaptureOptions(PatchWorkerOptions):
     """disk budget of the capture's shards, GB (10^9 bytes): those the cache holds for these samples plus
     those to write; a capture that would pass it is refused before the engine starts, and the training flow
     (one host) captures and trains in windows that fit it instead (docs/TRAINING.md); 0: no budget"""
-    max_model_len: int = bounded(0, ge=0)
-    """vLLM's context length; 0: the longest sample + 1"""
     device: Literal["auto", "cuda", "cpu"] = "auto"
     """transformers backend: auto (cuda when there is one), cuda or cpu"""
-    engine_start_s: float = bounded(1800.0, gt=0)
-    """seconds vLLM may take to start (load the weights, warm up); then it fails"""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,6 +55,10 @@ class PatchWorkerConfig(PatchWorkerOptions):
     """this step's folder (its manifest)"""
     trust_remote_code: bool = False
     """let vLLM run the target's own config code"""
+
+    def __post_init__(self):
+        super().__post_init__()
+        one_when_unset(self, "tensor_parallel_size")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,6 +85,7 @@ class CaptureConfig(CaptureOptions):
 
     def __post_init__(self):
         super().__post_init__()
+        one_when_unset(self, "tensor_parallel_size")
         if not self.host_part < self.host_parts:
             raise ConfigError(f"host_part={self.host_part} of host_parts={self.host_parts}: need 0 <= host_part < host_parts")
         if self.backend == "transformers" and self.tensor_parallel_size != 1:

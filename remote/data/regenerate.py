@@ -33,7 +33,7 @@ keep_cut), so a re-run or the nightly run generates only new prompts and a kille
 first missing shard. Every request has its own seed (from `seed` and the prompt), so an answer does
 not depend on what it was batched with, nor on a resume. Memory holds one shard of conversations.
 
-Backends: "vllm" (tensor parallel; the capture's engine start and end: remote.capture.backend_vllm)
+Backends (remote.data.regenerate_engines): "vllm" (tensor parallel; the engine's life is remote.engine's)
 and "transformers" (one device, for hosts without vLLM; batched `generate`, so a seed is per batch).
 Bad input fails before the engine starts: a target without a chat template or without an end-of-turn
 token, sampling parameters out of range, a first prompt longer than the engine's context.
@@ -54,6 +54,7 @@ from typing import Iterator
 
 from remote.data.chat_data import BadRecord, Conversation, ReadReport, input_files, read_conversations
 from remote.data.config import RegenerateConfig, RegenerateOptions
+from remote.data.regenerate_engines import Answer, Request
 from remote.step import BadInput, begin_step, emit, log, progress, step_main
 from remote.target import read_config, text_settings
 
@@ -66,19 +67,6 @@ EMPTY, CUT, SPECIAL, NOT_CLOSED, TEMPLATE = ("empty", "cut_at_max_tokens", "spec
 CONTEXT_FULL = "context_full"  # no answer: the next prompt would not fit the engine's context
 SAME_PROMPT = "same_prompt_as_an_earlier_conversation"  # a note: answered once
 SAMPLE_ANSWERS = 3  # answers shown in the manifest (the flow's artifact)
-
-
-@dataclass(frozen=True)
-class Request:
-    prompt_ids: list[int]
-    seed: int
-    greedy: bool
-
-
-@dataclass(frozen=True)
-class Answer:
-    token_ids: list[int]  # what the target wrote, its end-of-turn token included when it wrote one
-    stopped: bool  # ended at an end-of-turn token (False: cut at max_tokens)
 
 
 class Writer:

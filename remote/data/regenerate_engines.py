@@ -5,18 +5,33 @@
     answers = engine.generate([Request(prompt_ids, seed, greedy), ...], options)  # an Answer a request, in order
     engine.close()                                                        # nothing of the engine is left
 
-Apart from the step's module because they import the capture's backends (torch, numpy), which the
-controller, reading RegenerateOptions, must not need. Both reuse the capture's: vLLM's start (devices
-checked, signals and a start timeout handled) and close (every engine process ended), and
-transformers' model loading.
+A library module below the step (which imports its Request and Answer); torch, vLLM and transformers
+are imported only when an engine starts, so the step's module stays light. The vLLM engine's life is
+remote.engine's (the device check, signals, a start timeout, every engine process ended at close);
+the transformers one loads the target as the transformers capture does (remote.capture.backend_transformers).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable
 
-from remote.capture.backend_transformers import HfCapture
-from remote.capture.backend_vllm import VllmCapture
-from remote.data.regenerate import Answer, RegenerateOptions, Request
+from remote.data.config import RegenerateOptions
+from remote.engine.lifecycle import ALL_CORES_CPU_ENV, VllmEngine, target_engine_kwargs
+
+PARAM = "data.regenerate.tensor_parallel_size"  # the flow's name of the count the device check may refuse
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt_ids: list[int]
+    seed: int
+    greedy: bool
+
+
+@dataclass(frozen=True)
+class Answer:
+    token_ids: list[int]  # what the target wrote, its end-of-turn token included when it wrote one
+    stopped: bool  # ended at an end-of-turn token (False: cut at max_tokens)
 
 
 def sampling_params(cfg: RegenerateOptions, request: Request, end_ids: Iterable[int]):
@@ -28,21 +43,32 @@ def sampling_params(cfg: RegenerateOptions, request: Request, end_ids: Iterable[
                           seed=request.seed, stop_token_ids=list(end_ids), detokenize=False)
 
 
-class VllmGenerator(VllmCapture):
-    """The capture's vLLM engine without its capture extension, set up for generation."""
+class VllmGenerator:
+    """A vLLM engine of the target set up for generation (remote.engine's lifecycle)."""
 
     def __init__(self, cfg, target, dtype: str, end_ids: Iterable[int], max_model_len: int):
-        super().__init__(cfg, target, dtype, (), max_model_len)
+        self.cfg, self.target, self.dtype = cfg, target, dtype
         self.max_model_len = max_model_len  # the step's context (cfg.max_model_len 0: the target's own)
         self.end_ids = list(end_ids)
+        self.engine = VllmEngine(cfg, target.weight_bytes, PARAM)
+
+    @property
+    def llm(self):
+        return self.engine.llm
 
     def engine_kwargs(self, on_cpu: bool) -> dict:
-        kw = super().engine_kwargs(on_cpu)
-        del kw["worker_extension_cls"]
+        kw = target_engine_kwargs(self.cfg, self.cfg.target, self.dtype, self.max_model_len, self.target.is_mla,
+                                  self.cfg.trust_remote_code, on_cpu)
         # Compiled graphs and prefix caching (later turns share their prompt) pay for generation; on
         # the CPU compiling would cost minutes. vLLM's tokenizer gives it the target's own stop tokens.
         kw.update(enforce_eager=on_cpu, enable_prefix_caching=True, skip_tokenizer_init=False, seed=self.cfg.seed)
         return kw
+
+    def start(self) -> None:
+        self.engine.start(self.engine_kwargs, ALL_CORES_CPU_ENV)
+
+    def close(self) -> None:
+        self.engine.close()
 
     def generate(self, requests: list[Request], opts: RegenerateOptions) -> list[Answer]:
         params = [sampling_params(opts, r, self.end_ids) for r in requests]
@@ -50,13 +76,25 @@ class VllmGenerator(VllmCapture):
         return [Answer(list(o.outputs[0].token_ids), o.outputs[0].finish_reason == "stop") for o in outs]
 
 
-class HfGenerator(HfCapture):
+class HfGenerator:
     """transformers' generate on one device, batch_size prompts of similar length at a time. Batched
-    sampling draws from one generator, so a sampled answer depends on its batch (greedy ones do not)."""
+    sampling draws from one generator, so a sampled answer depends on its batch (greedy ones do not).
+    The target is loaded and checked as the transformers capture loads it (HfCapture, no aux layers)."""
 
     def __init__(self, cfg, target, dtype: str, end_ids: Iterable[int], max_model_len: int):
-        super().__init__(cfg, target, dtype, (), max_model_len)
+        from remote.capture.backend_transformers import HfCapture
+
+        self.cfg = cfg
+        self.loaded = HfCapture(cfg, target, dtype, (), max_model_len)
         self.end_ids = list(end_ids)
+
+    def start(self) -> None:
+        self.loaded.start()
+        self.model, self.device = self.loaded.model, self.loaded.device
+
+    def close(self) -> None:
+        self.loaded.close()
+        self.model = None
 
     def generate(self, requests: list[Request], opts: RegenerateOptions) -> list[Answer]:
         answers: list[Answer | None] = [None] * len(requests)

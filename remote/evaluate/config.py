@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from remote.config import Checked, ConfigError, bounded, pick
+from remote.engine.config import EngineOptions, one_when_unset
 
 CURRENT = "current"  # drafts/current: the link to the promoted draft
 RECORD = "promotion.json"  # drafts/<name>/promotion.json: what was promoted and why
@@ -14,8 +15,9 @@ HISTORY = "history.jsonl"  # drafts/history.jsonl: every promotion decision, one
 
 
 @dataclass(frozen=True, kw_only=True)
-class OnlineOptions(Checked):
-    """The measurement in vLLM: the draft as its eagle3 speculator, beside the baselines."""
+class OnlineOptions(EngineOptions):
+    """The measurement in vLLM: the draft as its eagle3 speculator, beside the baselines (each arm an engine of
+    EngineOptions; those whose default differs here are below)."""
 
     num_speculative_tokens: int = bounded(3, ge=1)
     """k: tokens the draft proposes per step in vLLM (the acceptance length reported is for k)"""
@@ -37,16 +39,12 @@ class OnlineOptions(Checked):
     """generation time budget of the baseline arm; the prompts it reaches are used by every arm"""
     max_num_seqs: int = bounded(8, ge=1)
     """requests decoded together online (speculation pays most at small batches)"""
-    tensor_parallel_size: int = bounded(1, ge=1)
-    """GPUs the target is split over in the online run"""
-    dtype: str = "auto"
-    """vLLM dtype of the target online (auto: its config's, bf16 on the CPU)"""
-    gpu_memory_utilization: float = bounded(0.85, gt=0, le=1)
-    """share of each GPU vLLM may take online"""
+    max_num_batched_tokens: int = bounded(0, ge=0)
+    """tokens of one engine step online; 0: vLLM's own"""
     enforce_eager: bool = False
     """skip CUDA graphs / torch.compile (always on the CPU, where they cost start time)"""
     cpu_kvcache_gib: int = bounded(1, ge=1)
-    """VLLM_CPU_KVCACHE_SPACE on a CPU host, GiB (startup fails on memory without it)"""
+    """KV cache per rank on a CPU host (VLLM_CPU_KVCACHE_SPACE), GiB: one is enough for a few prompts"""
     cpu_threads: int = bounded(0, ge=0)
     """torch threads of the in-process CPU engine (0: one a core)"""
     seed: int = 0
@@ -70,6 +68,10 @@ class OnlineConfig(OnlineOptions):
     """where online.json and the manifest go (only when run as its own step)"""
     previous_draft_dir: str = ""
     """a previously published draft measured on the same prompts ("": none)"""
+
+    def __post_init__(self):
+        super().__post_init__()
+        one_when_unset(self, "tensor_parallel_size")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,6 +111,7 @@ class EvaluateConfig(EvaluateOptions):
 
     def __post_init__(self):
         super().__post_init__()
+        one_when_unset(self, "tensor_parallel_size")
         if not self.capture_dir and not self.online:
             raise ConfigError("online: nothing to measure: give capture_dir (offline) or online=true")
 

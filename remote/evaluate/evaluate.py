@@ -11,7 +11,7 @@ target's top-1 (from the captured final state through the target's norm and lm_h
 math is remote.evaluate.acceptance. Two offline figures come of it: the expected acceptance length from
 the per-step conditional accuracies (every position a chain start), and the "replayed" one, which
 walks each assistant turn the way greedy decoding does (a chain starts where the last one ended);
-on text the target wrote itself the replayed one is what vLLM counts. Online: remote.evaluate.online
+on text the target wrote itself the replayed one is what vLLM counts. Online: remote.evaluate.online_measure
 (vLLM's own counters). The draft is checked against the target before either starts, so a draft
 for another model is a BadInput.
 
@@ -30,7 +30,7 @@ import torch
 from remote.draft.folder import DraftFolder, read_folder
 from remote.evaluate.chains import chain_tally, heldout_plan
 from remote.evaluate.config import EvaluateConfig
-from remote.evaluate.online import check_draft, measure_online, summary
+from remote.evaluate.online_measure import check_draft, measure_online, summary
 from remote.step import BadInput, begin_step, log, read_manifest, step_main, write_json_atomic
 
 STEP = "evaluate"

@@ -44,6 +44,10 @@ class HostParams(BaseModel):
     wait_s: Optional[float] = Field(None, ge=0, description="seconds a run keeps trying a host that does not answer "
                                     "(with backoff) before it fails; none: 600 for the nightly, 0 (one try) otherwise")
     env: dict[str, str] = Field(default_factory=dict, description="extra environment of every remote command")
+    gpus: Optional[int] = Field(None, ge=0, description="GPUs on the host, stated once: capture, data.regenerate and "
+                                "eval tensor_parallel_size and train.nproc_per_node left at 0 take it (0: a CPU host, "
+                                "1 each); none: not stated, 1 each. The device check on the host refuses a count its "
+                                "GPUs cannot hold")
 
     @property
     def display_name(self) -> str:
