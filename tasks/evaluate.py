@@ -153,7 +153,12 @@ def summary_markdown(figures: dict, context: dict) -> str:
              f"| draft | `{context.get('draft', 'n/a')}` (vLLM eagle3 format) |",
              f"| acceptance length | **{_num(figures.get('acceptance_length'))}** "
              f"({figures.get('acceptance_length_source')}, k = {context.get('k', 'n/a')}) |",
-             f"| speed-up (decode) | {speedup_value(figures)} |", "", MEANING, ""]
+             f"| speed-up (decode) | {speedup_value(figures)} |"]
+    bench = {k[len("bench_"):-len("_acceptance_length")]: v for k, v in figures.items()
+             if k.startswith("bench_") and k.endswith("_acceptance_length")}
+    if bench:
+        lines.append(f"| benchmarks (acceptance length) | {', '.join(f'{n} {_num(v)}' for n, v in bench.items())} |")
+    lines += ["", MEANING, ""]
     if context.get("on_cpu"):
         lines += [ON_CPU, ""]
     lines += [f"The full report is the `{REPORT_KEY}` artifact; per-position figures are `{TABLE_KEY}`."]
@@ -201,6 +206,7 @@ def report_markdown(evaluation: dict, figures: dict, context: dict, previous: Cu
             out.append(f"| {label} | {_num(r['acceptance_length']) if r['acceptance_length'] else '1.00 (none)'} | {per} "
                        f"| {_num(r['decode_tokens_per_s'], 1)} | {_num(r.get('speedup'))} |")
         out.append("")
+    out += benchmark_markdown(evaluation.get("benchmarks"))
     if previous is not None:
         recorded = previous.figures.get("acceptance_length")
         now = on["arms"].get("previous", {}).get("greedy", {}).get("acceptance_length") if on else None
@@ -230,7 +236,7 @@ def position_series(evaluation: dict) -> dict[str, list[float]]:
 
 
 def position_rows(evaluation: dict) -> list[dict]:
-    series = position_series(evaluation)
+    series = {**position_series(evaluation), **bench_series(evaluation.get("benchmarks"))}
     off = evaluation.get("offline") or {}
     n = max((len(v) for v in series.values()), default=0)
     rows = []
@@ -245,6 +251,47 @@ def position_rows(evaluation: dict) -> list[dict]:
 
 def _round(values: list[float], i: int):
     return round(values[i], 4) if i < len(values) else None
+
+
+BENCH_CAPTION = ("Share of drafts accepted through each speculative position on each benchmark set, the target "
+                 "answering the set's prompts itself (greedy) in vLLM with this draft; vLLM's counters.")
+
+
+def bench_series(bench: dict | None) -> dict[str, list[float]]:
+    """Per benchmark set: its greedy per-position acceptance (remote/evaluate/bench_online.py's report)."""
+    return {f"{name} (benchmark)": s["greedy"]["acceptance_per_position"]
+            for name, s in (bench or {}).get("sets", {}).items() if s.get("greedy", {}).get("acceptance_per_position")}
+
+
+def benchmark_markdown(bench: dict | None) -> list[str]:
+    """The benchmark section: each set's acceptance (greedy, at the temperature, per position), each category's
+    where a set has several (MT-Bench's eight), each turn's where it has several, and a chart per position."""
+    if not bench or not bench.get("sets"):
+        return []
+    t = bench["temperature"]
+
+    def row(label: str, f: dict, extra: str = "") -> str:
+        g, smp = f.get("greedy", {}), f.get("sampled", {})
+        per = ", ".join(_pct(a) for a in g.get("acceptance_per_position", [])) or "-"
+        return f"| {label} |{extra} {_num(g.get('acceptance_length'))} | {_num(smp.get('acceptance_length'))} | {per} |"
+
+    head = f"| acceptance length (greedy) | at temperature {t:g} | per position (greedy) |"
+    out = [f"## Benchmarks (vLLM, the target answering each prompt itself, k = {bench['num_speculative_tokens']}, "
+           f"at most {bench['max_tokens']} tokens an answer)", "", "| set | prompts " + head, "|---|---|---|---|---|"]
+    for name, s in bench["sets"].items():
+        left = f" ({s['left_out']} too long)" if s.get("left_out") else ""
+        out.append(row(name, s, f" {s['prompts']}{left} |"))
+    out.append("")
+    for name, s in bench["sets"].items():
+        parts = [(c, f) for c, f in s.get("categories", {}).items()] if len(s.get("categories", {})) > 1 else []
+        parts += [(f"turn {n}", f) for n, f in s.get("turns", {}).items()]
+        if parts:
+            out += [f"### {name} by category" + (" and turn" if s.get("turns") else ""), "", "| part " + head,
+                    "|---|---|---|---|"] + [row(label, f) for label, f in parts] + [""]
+    series = bench_series(bench)
+    if series:
+        out += [position_chart(series, BENCH_CAPTION), ""]
+    return out
 
 
 # ----------------------------------------------------------------------------- plots (matplotlib, PNG)

