@@ -152,9 +152,9 @@ def cap(prompts: list[BenchPrompt], limit: int) -> list[BenchPrompt]:
 
 
 def version_of(name: str) -> str | None:
-    """The installed version of the set's package (for the report's provenance), None when missing."""
+    """The installed version of the set's package (for the report's provenance), None when missing or unknown."""
     try:
-        return metadata.version(SETS[name].package)
+        return metadata.version(SETS[name].package) if name in SETS else None
     except metadata.PackageNotFoundError:
         return None
 
