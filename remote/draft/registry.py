@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 # name -> "module:class" of its DraftKind; one line a kind
 KINDS = {
     "eagle3": "remote.draft.eagle3:Eagle3",
+    "dflash": "remote.draft.dflash:DFlash",
 }
 DEFAULT = "eagle3"  # the kind a train run builds (and a train folder without a recorded kind holds)
 
