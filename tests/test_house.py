@@ -11,12 +11,6 @@ from __future__ import annotations
 from scripts.house import circle_name, draw
 
 KNOWN = {  # the violations still open, and who removes each (issue 32)
-    "circle: remote.data.regenerate <-> remote.data.regenerate_engines",  # engine
-    "remote.capture.backend_vllm -> remote.capture.patch_worker",  # engine: check_devices
-    "remote.data.regenerate_engines -> remote.data.regenerate",  # engine: Answer, Request, RegenerateOptions
-    "remote.evaluate.evaluate -> remote.evaluate.online",  # engine: check_draft, measure_online, summary
-    "remote.evaluate.evaluate -> remote.train.export",  # library (the draft registry): draft_config_from_export
-    "remote.train.train -> remote.train.windows",  # library: TrainWindow
     "remote.train.warm -> remote.train.train",  # the lead: warm is no step, it moves out of remote/
     "remote.train.warm -> remote.train.vocab",  # the lead
 }
