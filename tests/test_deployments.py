@@ -140,3 +140,21 @@ def test_a_misspelt_host_fails_at_once_as_bad_input_and_leaves_no_limit(deployed
     assert "gpu-host:gpu-typo" not in limits
     assert not [m for m in logs if "Traceback" in m], "bad input: one message, no traceback"
     assert sum(state.message in m for m in logs) == 1, "said once, as the final state"
+
+
+def test_the_shipped_kimi_deployment_without_its_secret_block_fails_in_one_line(deployed, prefect_api):
+    """Run as docs/DEPLOYING.md runs it, on a server without the Secret block its host names."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter
+
+    from tests.fixtures.prefect_server import run_deployment
+
+    run = run_deployment(deployed.server, "train-draft/kimi-k25-8gpu", [], run_name="no-secret", timeout=180)
+    with get_client(sync_client=True) as client:
+        state = client.read_flow_run(run.flow_run_id).state
+        logs = [entry.message for entry in client.read_logs(LogFilter(flow_run_id={"any_": [run.flow_run_id]}))]
+    assert state.is_failed()
+    assert state.message.startswith("bad input: host.key_secret: the Prefect server has no Secret block named "
+                                    "'kimi-node-1-ssh-key'; save the private key that logs in to the host in one")
+    assert not [m for m in logs if "Traceback" in m] and "Traceback" not in run.output, logs
+    assert sum("has no Secret block named" in m for m in logs) == 1, "said once, as the final state"
