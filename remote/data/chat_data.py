@@ -48,6 +48,7 @@ ROLES = {
 }
 FILE_SUFFIXES = (".jsonl", ".ndjson", ".json", ".parquet")
 EXAMPLES_PER_REASON = 3  # bad rows shown in the report: the first ones met of each reason
+HASH_SLICE_CHARS = 1 << 20  # a long text is hashed (and checked) this many characters at a time
 
 # Reasons a row is skipped (the keys of ReadReport.bad).
 BROKEN_JSON = "broken_json"  # a JSONL line (or a value of a .json file) that does not parse
@@ -79,9 +80,22 @@ class Conversation:
 
 
 def conversation_hash(turns: Iterable[tuple[str, str]]) -> str:
-    """The stable content hash of a normalized conversation (hex sha256 of its canonical JSON)."""
-    canon = json.dumps([list(t) for t in turns], ensure_ascii=False, separators=(",", ":"))
-    return hashlib.sha256(canon.encode("utf-8")).hexdigest()
+    """The stable content hash of a normalized conversation: hex sha256 of its canonical JSON,
+    `json.dumps([list(t) for t in turns], ensure_ascii=False, separators=(",", ":"))` in UTF-8, fed to
+    the hash a slice of a text at a time, so a text of hundreds of MB is not copied whole."""
+    h = hashlib.sha256(b"[")
+    for i, (role, content) in enumerate(turns):
+        h.update(b'%s["%s","' % (b"," if i else b"", _json_string(role)))
+        for at in range(0, len(content), HASH_SLICE_CHARS):  # JSON escapes one character at a time
+            h.update(_json_string(content[at:at + HASH_SLICE_CHARS]))
+        h.update(b'"]')
+    h.update(b"]")
+    return h.hexdigest()
+
+
+def _json_string(text: str) -> bytes:
+    """text as a JSON string's body (no quotes), in UTF-8."""
+    return json.dumps(text, ensure_ascii=False)[1:-1].encode("utf-8")
 
 
 @dataclass
@@ -141,13 +155,12 @@ def _turn(t: Any, i: int) -> tuple[str, str]:
     content = t.get("value", t.get("content"))
     if not isinstance(content, str):
         raise BadRecord(NON_STRING_CONTENT, f"turn {i} ({role}) content is {type(content).__name__}, not a string")
-    if not content.strip():
+    if not content or content.isspace():  # what strip() would leave empty, without a copy of a long text
         raise BadRecord(EMPTY_CONTENT, f"turn {i} ({role}) is empty")
-    try:  # JSON's \u escapes can spell half a surrogate pair, which no tokenizer or hash can encode
-        content.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise BadRecord(INVALID_UNICODE, f"turn {i} ({role}) holds {content[e.start:e.end]!r} at {e.start}, "
-                        "a lone surrogate, not a character") from None
+    # JSON's \u escapes can spell half a surrogate pair, which no tokenizer or hash can encode
+    if m := _SURROGATE.search(content):
+        raise BadRecord(INVALID_UNICODE, f"turn {i} ({role}) holds {m.group()!r} at {m.start()}, "
+                        "a lone surrogate, not a character")
     return role, content
 
 
@@ -298,8 +311,10 @@ def _read_text(p: Path) -> str:
 
 
 def _jsonl_records(p: Path, lines: Iterable[str], report: ReadReport) -> Iterator[tuple[str, Any]]:
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
+    n = 0  # counted by hand: enumerate's reused result would keep the last line alive beside its record
+    for line in lines:
+        n += 1
+        if not line or line.isspace():
             continue
         try:
             rec = _DECODER.decode(line)
@@ -309,6 +324,7 @@ def _jsonl_records(p: Path, lines: Iterable[str], report: ReadReport) -> Iterato
         except json.JSONDecodeError as e:
             report.lost(BROKEN_JSON, f"{p}:{n}", str(e))
             continue
+        del line  # a line may be hundreds of MB: its record's texts are all that is kept of it
         yield f"{p}:{n}", rec
 
 
@@ -322,6 +338,7 @@ def _parse_int(digits: str) -> int | float:
 
 
 _DECODER = json.JSONDecoder(parse_int=_parse_int)
+_SURROGATE = re.compile("[\ud800-\udfff]")
 _SKIPPED = object()  # a value counted as bad where it was met
 _WS = re.compile(r"[ \t\r\n]*")
 # A JSON string, or one bracket: enough to find where a value too deep to decode ends.

@@ -24,6 +24,13 @@ token the template puts after the text (`<|im_end|>`, `<|eot_id|>`, `</s>`); wha
 marker (ChatML's newline) is template scaffolding the model never writes, so it is 0. A template
 that does not render a conversation as a growing prefix (e.g. one that rewrites earlier turns) keeps
 the turns up to the first place where it stops doing so.
+
+A conversation's work and memory are bounded by what max_length can keep, whatever its size: its text
+is cut before it is rendered (remote.data.chat_template's `within`: past max_length plus a margin of
+tokens, counted with the most characters a token spells), then its tokens are cut to max_length, to the
+same first max_length tokens as tokenizing it whole (counted in notes.text_cut_before_tokenizing).
+A crash of the tokenizer fails the step naming the records (file:line) it was given; the log names each
+input file as its reading starts, so one that ends the process at once (an abort) is named there too.
 """
 from __future__ import annotations
 
@@ -39,7 +46,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from remote.data.chat_data import BadRecord, Conversation, ReadReport, input_files, read_conversations
-from remote.data.chat_template import ChatTokenizer
+from remote.data.chat_template import CUT_MARGIN_TOKENS, ChatTokenizer
 from remote.data.config import PrepareConfig
 from remote.data.dataset import DATA_FILE, DatasetWriter
 from remote.split import split_of
@@ -62,6 +69,7 @@ class Tally:
     loss_tokens: int = 0
     truncated: int = 0
     turns_cut_by_template: int = 0
+    cut_before_tokenizing: int = 0  # conversations whose text passed what max_length can keep (chat_template.within)
     dropped: Counter = field(default_factory=Counter)  # policy drops (POLICY_DROPS) -> samples
     lengths: Counter = field(default_factory=Counter)  # histogram bucket -> samples
 
@@ -105,7 +113,8 @@ def run(raw: dict) -> dict:
         "dropped_by_reason": dict(sorted((report.bad + tally.dropped).items())),
         "tokens": tally.tokens, "loss_tokens": tally.loss_tokens, "truncated": tally.truncated,
         "length_histogram": length_histogram(tally.lengths),
-        "notes": dict(report.notes, turns_cut_by_template=tally.turns_cut_by_template),
+        "notes": dict(report.notes, turns_cut_by_template=tally.turns_cut_by_template,
+                      text_cut_before_tokenizing=tally.cut_before_tokenizing),
     }
     figures = {"seconds": round(seconds, 3), "samples_per_s": round(tally.samples / seconds, 1),
                "tokens_per_s": round(tally.tokens / seconds, 1)}
@@ -127,7 +136,8 @@ def prepare(cfg: PrepareConfig, chat: ChatTokenizer, path: Path) -> tuple[ReadRe
     writer = DatasetWriter(path)
     try:
         seen: set[str] = set()
-        for batch in _batches(_unique(read_conversations(cfg.inputs, report), seen, tally), cfg.batch_size):
+        convs = _unique(_announced(read_conversations(cfg.inputs, report)), seen, tally)
+        for batch in _batches(convs, cfg.batch_size):
             rows = _encode_batch(cfg, chat, batch, report, tally)
             if cfg.max_samples is not None:
                 rows = rows[: cfg.max_samples - tally.samples]
@@ -142,6 +152,17 @@ def prepare(cfg: PrepareConfig, chat: ChatTokenizer, path: Path) -> tuple[ReadRe
     finally:
         writer.close()
     return report, tally, kept, max(time.perf_counter() - start, 1e-9)
+
+
+def _announced(convs: Iterable[Conversation]) -> Iterator[Conversation]:
+    """The conversations, with a log line as each input file's first one is read: what the step read last
+    before a crash that ends it at once (an abort in the tokenizer) is named in the run log."""
+    current = None
+    for conv in convs:
+        if (file := conv.where.rsplit(":", 1)[0]) != current:
+            current = file
+            log(f"prepare: reading {file}")
+        yield conv
 
 
 def _unique(convs: Iterable[Conversation], seen: set[str], tally: Tally) -> Iterator[tuple[str, Conversation]]:
@@ -161,18 +182,34 @@ def _batches(items: Iterable, n: int) -> Iterator[list]:
 
 
 def _encode_batch(cfg, chat, batch, report, tally) -> list[tuple[str, list[int], list[int], str]]:
+    """The rows of a batch of conversations; a crash in the tokenizer names the records it was given."""
+    try:
+        return _rows(cfg, chat, batch, report, tally)
+    except (BadInput, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # the tokenizers library's PanicException is a BaseException
+        raise RuntimeError(f"prepare failed on the records {batch[0][1].where} to {batch[-1][1].where}: "
+                           f"{type(e).__name__}: {e}") from e
+
+
+def _rows(cfg, chat, batch, report, tally) -> list[tuple[str, list[int], list[int], str]]:
     rendered, owners = [], []
     for sid, conv in batch:
         try:
-            pieces, cut = chat.pieces(conv.turns)
+            chat.check_text(conv.turns)  # the whole text, as before the cut
+            turns, shortened = chat.within(conv.turns, cfg.max_length)
+            pieces, cut = chat.pieces(turns)
         except BadRecord as e:
             report.skip(e.reason, conv.where, e.detail)
             continue
         tally.turns_cut_by_template += cut
+        tally.cut_before_tokenizing += shortened
         rendered.append(pieces)
-        owners.append((sid, conv))
+        owners.append((sid, conv, shortened))
     rows = []
-    for (sid, conv), (ids, mask) in zip(owners, chat.encode(rendered)):
+    for (sid, conv, shortened), (ids, mask) in zip(owners, chat.encode(rendered)):
+        if shortened and len(ids) < cfg.max_length + CUT_MARGIN_TOKENS:  # the bound failed (a normalizer ate text)
+            [(ids, mask)] = chat.encode([chat.pieces(conv.turns)[0]])
         if len(ids) > cfg.max_length:
             if cfg.long_policy == "drop":
                 tally.dropped[TOO_LONG] += 1
