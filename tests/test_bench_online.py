@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 import types
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,7 @@ from remote.evaluate import bench_online as bo
 from remote.evaluate.benchmarks import BenchPrompt
 from remote.evaluate.config import OnlineConfig
 from remote.evaluate.online_measure import PER_POS, SPEC_COUNTERS
+from tests.fixtures.embedded_default import smollm2  # noqa: F401  (a fixture)
 
 K = 3
 
@@ -123,3 +125,55 @@ def test_the_report_has_a_row_per_set_category_and_turn_and_a_chart(fake_vllm):
     assert [r["demo (benchmark)"] for r in rows] == [0.9, 0.4, 0.0]
     card = summary_markdown({"acceptance_length": 2.0, **bo.bench_figures(bench)}, {"run": "r", "target": "t", "host": "h"})
     assert "| benchmarks (acceptance length) | demo 2.30 |" in card
+
+
+def _random_draft(target: Path, out: Path) -> Path:
+    """An exported eagle3 draft of SmolLM2's shape with random weights (made without training: the path, not a figure)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from remote.draft.config import DraftConfig
+    from remote.draft.model import EagleDraft
+    from remote.draft.vocab import DraftVocab
+    from remote.train.export import main as export_main
+
+    tc = json.loads((target / "config.json").read_text())
+    n, train, vocab = 1024, out / "train", out / "vocab"
+    d = DraftConfig.from_target_config(tc, draft_vocab_size=n, aux_layer_ids=(2, 15, 27))
+    train.mkdir(parents=True)
+    vocab.mkdir()
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in EagleDraft(d).trainable_state_dict().items()}
+    g = torch.Generator().manual_seed(7)
+    save_file({k: torch.ones(s) if k.endswith("norm.weight") else torch.randn(s, generator=g) * 0.05
+               for k, s in shapes.items()}, str(train / "model.safetensors"))
+    (train / "draft_config.json").write_text(json.dumps(d.to_dict()))
+    (train / "manifest.json").write_text(json.dumps({"step": "train", "counts": {}, "figures": {}, "train": {
+        "weights": "model.safetensors", "draft_config": "draft_config.json", "target": str(target)}}))
+    t2d = torch.zeros(tc["vocab_size"], dtype=torch.bool)
+    t2d[:n] = True
+    DraftVocab(torch.zeros(n, dtype=torch.int64), t2d, torch.arange(tc["vocab_size"], 0, -1)).save(vocab / "vocab.safetensors")
+    (out / "export.json").write_text(json.dumps({"train_dir": str(train), "vocab_dir": str(vocab),
+                                                  "out_dir": str(out / "export"), "dtype": "float32"}))
+    assert export_main(["--config", str(out / "export.json")]) == 0
+    return out / "export"
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_every_set_runs_on_a_real_vllm_cpu_engine(smollm2, tmp_path):
+    from remote.evaluate.benchmarks import load_many
+
+    target = Path(smollm2["model_dir"])
+    c = OnlineConfig(target=str(target), draft_dir=str(_random_draft(target, tmp_path)), data="/unused",
+                     num_speculative_tokens=K, dtype="float32", max_model_len=2048)
+    report = bo.measure_benchmarks(c, load_many(["mt-bench", "gsm8k", "humaneval", "aime2025"], limit=2), max_tokens=8)
+    mt = report["sets"]["mt-bench"]
+    assert list(mt["categories"]) == ["writing", "roleplay"] and set(mt["turns"]) == {"1", "2"}
+    for s in report["sets"].values():
+        g = s["greedy"]
+        assert s["prompts"] == 2 and g["counters"]["drafts"] > 0 and 1.0 <= g["acceptance_length"] <= 1 + K
+        assert len(g["acceptance_per_position"]) == K
+    assert set(bo.bench_figures(report)) == {f"bench_{n}_acceptance_length" for n in report["sets"]}
