@@ -41,8 +41,9 @@ An arm (bench/quality_arms.json holds the presets; `--arms FILE` takes a JSON li
 impl "eaglet" runs `python -m remote.train.train --config` with its `train` dict as TrainConfig keys,
 then remote.train.export (its `export` dict as ExportConfig keys); impl "speculators" runs bench.speculators_arm (speculators' own draft,
 loss and optimiser on the same packed capture, converted to eaglet's export). Both then go through
-the same remote.evaluate step, offline, k = 3: acceptance length, the replayed one and the
-conditional accuracies p1..p3 on the held-out split. An arm with "storage": "fp8" trains and is
+the same remote.evaluate step, offline, at each `--k` (default 3; `--k 3 5`: two evaluations of the one draft,
+the first k the headline `offline`, every k under `offline_by_k`): acceptance length, the replayed one and the
+conditional accuracies p1..pk on the held-out split. An arm with "storage": "fp8" trains and is
 evaluated on an fp8 copy of its data's capture (the same states, stored as capture.storage_dtype fp8 stores them). Arms share the capture and the vocabulary of
 their data ("subset": the first --subset-rows samples; "all": every one); an arm with own_capture
 captures its data itself into a fresh cache, timed as its own (the 10-minute arm: capture +
@@ -73,7 +74,6 @@ sys.path.insert(0, str(ROOT))
 from bench.eval_bench import gguf_as_package, run_step  # noqa: E402
 
 ARMS_FILE = Path(__file__).with_name("quality_arms.json")
-K = 3  # speculative tokens of every figure
 PIECE = 15 * 2 ** 20  # bytes of one piece of a kept draft
 SMOKE_TARGET = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
                     num_key_value_heads=2, vocab_size=49152, max_position_embeddings=2048, tie_word_embeddings=False)
@@ -237,21 +237,37 @@ def run_arm(arm: dict, shared: dict, model: str, a, work: Path, t_start: float, 
             raise SystemExit(f"arm {name}: impl {impl!r} is neither eaglet nor speculators")
         rec["train"] = {**tm.get("figures", {}), **{k: v for k, v in tm.get("counts", {}).items()}}
         rec["train"].pop("history", None)
-        rec["seconds"]["evaluate"], em = run_step("evaluate", {
-            "target": model, "draft_dir": str(folder / "export"), "data": own["data"],
-            "capture_dir": own["capture_dir"], "out_dir": str(folder / "evaluate"), "num_speculative_tokens": K,
-            "online": False}, folder, left())
-        f = em["figures"]
-        rec["offline"] = {"acceptance_length": f.get("offline_acceptance_length"),
-                          "replayed": f.get("offline_replayed_acceptance_length"),
-                          "conditional_accuracy": f.get("offline_conditional_accuracy"),
-                          "heldout_coverage": f.get("heldout_coverage")}
+        rec["offline_by_k"] = evaluate_at(a.k, model, own, folder, left(), rec["seconds"])
+        rec["offline"] = rec["offline_by_k"][str(a.k[0])]
         if arm.get("keep"):
             rec["kept"] = keep_draft(folder / "export", model, Path(a.out) / f"draft-{name}.tar")
     except SystemExit as e:  # a failed or killed step: the other arms go on; the record says why
         rec["error"] = str(e)[-3000:]
     rec["wall_s"] = round(time.perf_counter() - t0, 1)
     return rec
+
+
+def evaluate_at(ks: list[int], model: str, own: dict, folder: Path, limit: float | None, seconds: dict) -> dict:
+    """The arm's export through the evaluate step, offline, once for each k (at once: each is a process and the GPU
+    work of one is small): {k: acceptance length, the replayed one, conditional accuracies, held-out coverage}."""
+    def one(k: int) -> tuple[int, float, dict]:
+        work = folder if k == ks[0] else folder / f"k{k}"  # its config and log beside the others'
+        work.mkdir(exist_ok=True)
+        s, em = run_step("evaluate", {
+            "target": model, "draft_dir": str(folder / "export"), "data": own["data"],
+            "capture_dir": own["capture_dir"], "out_dir": str(work / "evaluate"), "num_speculative_tokens": k,
+            "online": False}, work, limit)
+        return k, s, em["figures"]
+
+    out = {}
+    with ThreadPoolExecutor(len(ks)) as pool:
+        for k, s, f in pool.map(one, ks):
+            seconds["evaluate" if k == ks[0] else f"evaluate_k{k}"] = s
+            out[str(k)] = {"k": k, "acceptance_length": f.get("offline_acceptance_length"),
+                           "replayed": f.get("offline_replayed_acceptance_length"),
+                           "conditional_accuracy": f.get("offline_conditional_accuracy"),
+                           "heldout_coverage": f.get("heldout_coverage")}
+    return out
 
 
 # ----------------------------------------------------------------------------- drafts that travel back
@@ -365,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parallel", type=int, default=1, help="arms at a time")
     ap.add_argument("--deadline", type=float, default=0, help="seconds from the start; steps still running are killed")
     ap.add_argument("--draft-vocab-size", type=int, default=32000)
+    ap.add_argument("--k", type=int, nargs="+", default=[3],
+                    help="speculative tokens of the offline figures: each arm is evaluated at each (the first is its headline)")
     ap.add_argument("--backend", default="transformers", choices=("transformers", "vllm"),
                     help="capture backend: transformers on a GPU host without vLLM, vllm (CPU, float32) here")
     ap.add_argument("--capture-tokens", type=int, default=32768, help="tokens of one capture forward")

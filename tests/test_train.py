@@ -108,7 +108,7 @@ def test_nan_in_the_capture_names_the_sample(tiny_llama, tmp_path, capsys):
     voc = save_vocab(seqs, masks, vocab, 100, tmp_path / "vocab")
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps({"capture_dir": str(cap), "vocab_dir": str(voc), "out_dir": str(tmp_path / "out"),
-                               "token_budget": 64, "max_steps": 2, "device": "cpu", "ttt_steps": 2}))
+                               "token_budget": 64, "max_steps": 2, "device": "cpu", "ttt_steps": 2, "eval_k": 2}))
     assert main(["--config", str(cfg)]) == EXIT_BAD_INPUT
     assert "sample 's2'" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()

@@ -38,7 +38,7 @@ CAPTURE = {"backend": "transformers", "device": "cpu", "dtype": "float32", "laye
 # AdamW: Muon orthogonalises each update, so states captured in other packs (1e-7 apart) end further apart than
 # the 1e-5 the weights are compared at; what is tested here is the windows, not the optimiser.
 TRAIN = {"ttt_steps": 2, "token_budget": 96, "optimizer": "adamw", "lr": 3e-3, "warmup_steps": 1, "epochs": 1.5, "checkpoint_every": 1000,
-         "eval_every": 3, "eval_tokens": 256, "seed": 1, "device": "cpu"}
+         "eval_every": 3, "eval_k": 2, "eval_tokens": 256, "seed": 1, "device": "cpu"}
 
 
 @pytest.fixture(scope="module")

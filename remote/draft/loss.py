@@ -2,7 +2,7 @@
 
     head = TargetHead.from_weights(norm_w, lm_head_w, t2d, eps)     # frozen target pieces
     tgt = head.targets(batch, ttt_steps)                            # no grad: soft targets, valid masks
-    obj = TTTObjective(draft, ttt_steps=7)
+    obj = TTTObjective(draft, cfg.ttt_steps, cfg.step_decay)        # the train options' (TrainOptions)
     loss, stats = obj(batch, tgt, denom=tgt.counts)                 # denom: valid positions per step
     for k, normed in unroll(draft, batch, steps, attn): ...          # the unroll both of them use
 
@@ -224,8 +224,9 @@ def loss_chunk_rows(vocab: int, compiled: bool) -> int:
 class TTTObjective(nn.Module):
     """The draft unrolled over TTT steps, with its loss: the module DDP wraps."""
 
-    def __init__(self, draft: EagleDraft, ttt_steps: int = 7, decay: float = 0.8, attention: str = "dense",
+    def __init__(self, draft: EagleDraft, ttt_steps: int, decay: float, attention: str = "dense",
                  compiled: bool = False, chunk: int = 0):
+        """ttt_steps and decay have no defaults here: they are TrainOptions' (ttt_steps, step_decay), stated once."""
         super().__init__()
         if ttt_steps < 1:
             raise ValueError(f"ttt_steps={ttt_steps}: need at least 1")

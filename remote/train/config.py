@@ -35,16 +35,17 @@ class VocabConfig(VocabOptions):
 class TrainOptions(Checked):
     """How the draft is trained: the training-time-test objective, AdamW (or Muon for the matrices) on a decaying schedule, a
     budget from the data size, held-out acceptance measured during training and the best draft kept
-    (docs/TRAINING.md has the measurements behind each default)."""
+    (docs/TRAINING.md has the measurements behind each default: ttt_steps 3, the lm_head frozen, Muon at lr 6e-3 won the
+    ablation in bench/results/defaults-ablation-h100-20261207.json at k = 3 and k = 5; tests/test_defaults.py)."""
 
     # -- the objective
-    ttt_steps: int = bounded(7, ge=1)
+    ttt_steps: int = bounded(3, ge=1)
     """training-time-test steps unrolled"""
     step_decay: float = bounded(1.0, gt=0)
     """loss weight of TTT step k is step_decay**k (1.0: every step alike)"""
     drop_outside_top1: bool = True
     """drop positions whose target top-1 is outside the draft vocabulary"""
-    train_lm_head: bool = True
+    train_lm_head: bool = False
     """train the draft lm_head (false: keep the target's rows frozen)"""
     init_lm_head_from_target: bool = True
     """start lm_head from the target's rows of the draft vocabulary"""
@@ -98,7 +99,7 @@ class TrainOptions(Checked):
     eval_tokens: int = bounded(65536, ge=0)
     """held-out tokens a measurement reads at most (all processes together); 0: no measurement"""
     eval_k: int = bounded(3, ge=1)
-    """speculative tokens of the held-out acceptance length (at most ttt_steps)"""
+    """speculative tokens of the held-out acceptance length (at most ttt_steps: a larger one is refused)"""
     patience: int = bounded(5, ge=0)
     """stop after this many held-out measurements without a better one; 0: never early"""
     # -- checkpoints, processes, devices
@@ -126,6 +127,12 @@ class TrainOptions(Checked):
     profile_steps: int = bounded(0, ge=0)
     """profile this many steps, from the third on, with max_seconds once the deadline's cut is made (torch.profiler:
     the ops by device time, then host time, into profile.txt, profile.rank<N>.txt beside it for other ranks); 0: none"""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.eval_k > self.ttt_steps:
+            raise ConfigError(f"eval_k={self.eval_k} > ttt_steps={self.ttt_steps}: the held-out acceptance length is "
+                              "measured over the trained TTT steps; set eval_k <= ttt_steps")
 
 
 @dataclass(frozen=True, kw_only=True)
