@@ -1,11 +1,12 @@
 """Training throughput of the EAGLE-3 draft step, eaglet beside the speculators anchor.
 
     python bench/train_bench.py --shape llama8b kimi25 --ttt 3 7 --impl eaglet speculators --out r.jsonl
+    python bench/train_bench.py --shape llama8b kimi25 --settings defaults --impl eaglet speculators --out r.jsonl
     python bench/train_bench.py --shape tiny --ttt 2 --impl eaglet --steps 2      # the CPU smoke
     torchrun --nproc-per-node 2 bench/train_bench.py --shape llama8b --ttt 3      # DDP scaling (issue 8)
 
 One step = what remote.train.train does for an optimizer step (remote.train.train.optimizer_step): target
-logits and masks, the unrolled TTT forward, loss, backward, gradient clipping, AdamW. Inputs are
+logits and masks, the unrolled TTT forward, loss, backward, gradient clipping, the optimizer. Inputs are
 synthetic with the real shapes: `--tokens` packed positions a step (samples of `--doc-len`), bf16
 hidden states, an all-ones loss mask. tokens/s counts positions a step (not times TTT).
 
@@ -18,17 +19,26 @@ FLOPs (stated, per step, what MFU divides by the step time and the bf16 dense pe
   the trainer runs once a sample before training (remote.train.train), not in the step: it is timed
   apart and reported as `top1_pass_tokens_per_s`.
 The speculators side (0.9.0, if importable) is its own compiled Eagle3DraftModel.forward with
-its fused KL loss under bf16 autocast, then backward, clip (1.0) and AdamW, as its trainer does.
+its fused KL loss under bf16 autocast, then backward, clip (1.0) and its optimizer (its own build_optimizers:
+Muon + AdamW, or AdamW), as its trainer does.
+
+Settings (`--settings`, one record each): `equal` runs both trainers at the flags' settings (--ttt, --optimizer,
+--norms, --train-lm-head, --step-decay: the same for both); `defaults` runs each at its own defaults, what a user
+gets who sets nothing (eaglet: TrainOptions and DraftConfig; speculators 0.9.0: its trainer's, as
+bench.speculators_arm.SpeculatorsArmConfig states them), with the flags and --ttt unused. A record's `settings`
+and `setting` say which ran.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -54,6 +64,42 @@ SHAPES = {  # H, heads, kv heads, head dim, intermediate, target vocab, draft vo
                  target_vocab_size=512, draft_vocab_size=128),
 }
 PEAK_BF16 = 989e12  # H200 SXM dense bf16, datasheet
+NORMS = ("norm_before_fc", "norm_before_residual", "norm_output")
+
+
+class Setting(NamedTuple):
+    """What one trainer's step runs with (the speed depends on these; the learning rate is recorded, not timed)."""
+
+    ttt: int
+    step_decay: float
+    optimizer: str  # "muon" (Muon + AdamW) or "adamw"
+    lr: float
+    norms: bool  # the three norms of NORMS (eaglet's defaults may set some: `norm_flags` says which)
+    train_lm_head: bool
+    norm_flags: tuple = ()
+
+    def record(self) -> dict:
+        return {**self._asdict(), "norm_flags": list(self.norm_flags)}
+
+
+def own_defaults(impl: str) -> Setting:
+    """A trainer's defaults: what a user who sets nothing trains with."""
+    if impl == "eaglet":
+        t = TrainOptions()
+        draft = {f.name: f.default for f in dataclasses.fields(DraftConfig) if f.name in NORMS}
+        on = tuple(n for n in NORMS if draft[n])
+        return Setting(t.ttt_steps, t.step_decay, t.optimizer, t.lr, len(on) == len(NORMS), t.train_lm_head, on)
+    from bench.speculators_arm import SpeculatorsArmConfig  # its trainer's defaults (it imports this module)
+
+    f = {x.name: x.default for x in dataclasses.fields(SpeculatorsArmConfig) if x.default is not dataclasses.MISSING}
+    return Setting(f["ttt_steps"], f["ttt_step_loss_decay"], f["optimizer"], f["lr"], f["norms"], False,
+                   NORMS if f["norms"] else ())
+
+
+def equal_settings(args, ttt: int) -> Setting:
+    """The flags' settings, the same for both trainers."""
+    return Setting(ttt, args.step_decay, args.optimizer, args.lr, args.norms, args.train_lm_head,
+                   NORMS if args.norms else ())
 
 
 def draft_config(shape: str, draft_vocab: int = 0) -> DraftConfig:
@@ -101,34 +147,30 @@ def _target_weights(c: DraftConfig, device, dtype, seed: int = 1):
 
 
 # ----------------------------------------------------------------------------- the two steps
-def eaglet_step(c: DraftConfig, ttt: int, device, train_lm_head: bool, dist: Distributed, optimizer: str = "adamw",
-                norms: bool = False, loss_chunk: int = 0):
+def eaglet_step(c: DraftConfig, s: Setting, device, dist: Distributed, loss_chunk: int = 0):
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     embed, lm_head, t2d = _target_weights(c, device, dtype)
     torch.manual_seed(0)
-    if norms:  # the recipe's three extra norms (docs/TRAINING.md)
-        c = DraftConfig(**{**c.to_dict(), "norm_before_fc": True, "norm_before_residual": True, "norm_output": True})
+    c = DraftConfig(**{**c.to_dict(), **{n: n in s.norm_flags for n in NORMS}})
     draft = EagleDraft(c)
     draft.embed_tokens.weight = torch.nn.Parameter(embed, requires_grad=False)
     draft.to(device)
     with torch.no_grad():
         draft.lm_head.weight.copy_(lm_head[t2d].float())
-    draft.lm_head.weight.requires_grad_(train_lm_head)
+    draft.lm_head.weight.requires_grad_(s.train_lm_head)
     if cuda:
         draft.compile_layers()
     head = TargetHead.from_weights(torch.ones(c.hidden_size, device=device, dtype=dtype), lm_head, t2d, c.rms_norm_eps)
     del lm_head
-    obj = TTTObjective(draft, ttt, 0.8, "flex" if cuda else "dense", compiled=cuda, chunk=loss_chunk)
+    obj = TTTObjective(draft, s.ttt, s.step_decay, "flex" if cuda else "dense", compiled=cuda, chunk=loss_chunk)
     model = dist.wrap(obj)
     params = [p for p in draft.parameters() if p.requires_grad]
-    if optimizer == "muon":  # the trainer's own: Muon for the hidden matrices, AdamW beside it
-        opt = build_optimizer(TrainOptions(optimizer="muon"), draft, cuda)
-    else:
-        opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=cuda or None)
+    # the trainer's own: AdamW, or Muon for the hidden matrices and AdamW beside it
+    opt = build_optimizer(TrainOptions(optimizer=s.optimizer, lr=s.lr), draft, cuda)
 
     def step(batch: PackedBatch):
-        stats, _ = optimizer_step(model, head, [batch], opt, params, dist, ttt, 0.5)
+        stats, _ = optimizer_step(model, head, [batch], opt, params, dist, s.ttt, 0.5)
         return stats
 
     return step, obj, head
@@ -171,10 +213,15 @@ def speculators_draft(c: DraftConfig, ttt: int, norms: bool = False, attn: str =
     return Eagle3DraftModel(cfg)
 
 
-def speculators_step(c: DraftConfig, ttt: int, device, train_lm_head: bool):
-    from speculators.losses import resolve_loss_config
+def speculators_step(c: DraftConfig, s: Setting, device):
+    from types import SimpleNamespace
 
-    model = speculators_draft(c, ttt)
+    from speculators.losses import resolve_loss_config
+    from speculators.train.optimizers import build_optimizers
+
+    from bench.speculators_arm import SpeculatorsArmConfig
+
+    model = speculators_draft(c, s.ttt, s.norms)
     embed, lm_head, t2d = _target_weights(c, torch.device("cpu"), torch.float32)
     with torch.no_grad():  # its verifier pieces start as NaN until loaded from a verifier: load ours
         model.embed_tokens.weight.copy_(embed)
@@ -183,22 +230,26 @@ def speculators_step(c: DraftConfig, ttt: int, device, train_lm_head: bool):
         ids = t2d.nonzero().squeeze(1)
         model.t2d.copy_(t2d)
         model.d2t.copy_(ids - torch.arange(len(ids)))
-    model.lm_head.weight.requires_grad_(train_lm_head)
+    model.lm_head.weight.requires_grad_(s.train_lm_head)
     model.to(device)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=device.type == "cuda" or None)
+    d = SpeculatorsArmConfig(capture_dir="", vocab_dir="", out_dir="")  # its trainer's optimizer settings but these
+    opts = build_optimizers(model, SimpleNamespace(
+        optimizer=s.optimizer, lr=s.lr, weight_decay=d.weight_decay, muon_lr=s.lr, muon_momentum=d.muon_momentum,
+        muon_weight_decay=d.muon_weight_decay, muon_ns_steps=d.muon_ns_steps, muon_adjust_lr_fn=d.muon_adjust_lr_fn))
     loss_config = resolve_loss_config("kl_div", "fused")
 
     def step(b: PackedBatch):
         with torch.autocast(device.type, dtype=torch.bfloat16):
             _, loss, _ = model(hidden_states=b.aux[None], input_ids=b.input_ids[None], document_ids=b.doc_ids[None],
                                loss_mask=b.loss_mask[None], position_ids=b.positions[None],
-                               verifier_last_hidden_states=b.last[None], ttt_steps=ttt, ttt_step_loss_decay=0.8,
-                               loss_config=loss_config)
-        opt.zero_grad(set_to_none=True)
+                               verifier_last_hidden_states=b.last[None], ttt_steps=s.ttt,
+                               ttt_step_loss_decay=s.step_decay, loss_config=loss_config)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        for o in opts:
+            o.step()
+            o.zero_grad(set_to_none=True)
         return loss.detach()
 
     return step, model
@@ -210,7 +261,7 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def measure(impl: str, shape: str, ttt: int, args, dist: Distributed) -> dict:
+def measure(impl: str, shape: str, s: Setting, args, dist: Distributed) -> dict:
     device = dist.device
     c = draft_config(shape, args.draft_vocab)
     if device.type == "cuda":
@@ -220,10 +271,9 @@ def measure(impl: str, shape: str, ttt: int, args, dist: Distributed) -> dict:
     batches = [synthetic_batch(c, args.tokens, args.doc_len, device, dtype, seed=i + 100 * dist.rank) for i in range(2)]
     top1 = {}
     if impl == "speculators":
-        step, model = speculators_step(c, ttt, device, args.train_lm_head)
+        step, model = speculators_step(c, s, device)
     else:  # the trainer's pre-pass: the top-1 check once a sample, then the step reads the flags
-        step, model, head = eaglet_step(c, ttt, device, args.train_lm_head, dist, args.optimizer, args.norms,
-                                        args.loss_chunk)
+        step, model, head = eaglet_step(c, s, device, dist, args.loss_chunk)
         for i in range(2):  # the first pass compiles nothing but warms the matmuls
             _sync(device)
             t = time.perf_counter()
@@ -253,16 +303,16 @@ def measure(impl: str, shape: str, ttt: int, args, dist: Distributed) -> dict:
         times.append(time.perf_counter() - t)
     med = statistics.median(times)
     prof = profile_steps(step, batches, device, args.profile) if args.profile else {}
-    flops = step_flops(c, args.tokens, args.doc_len, ttt)
-    rec = {"impl": impl, "shape": shape, "ttt": ttt, "tokens": args.tokens, "doc_len": args.doc_len,
-           "world": dist.world, "train_lm_head": args.train_lm_head, "first_step_s": round(first, 2),
+    flops = step_flops(c, args.tokens, args.doc_len, s.ttt)
+    rec = {"impl": impl, "shape": shape, "ttt": s.ttt, "tokens": args.tokens, "doc_len": args.doc_len,
+           "world": dist.world, "train_lm_head": s.train_lm_head, "setting": s.record(), "first_step_s": round(first, 2),
            "step_s_median": round(med, 5), "step_s_min": round(min(times), 5),
            "tokens_per_s": round(args.tokens / med, 1), "tflops_per_step": round(flops / 1e12, 2),
            "mfu": round(flops / med / PEAK_BF16, 4) if device.type == "cuda" else None,
            "finite": bool(torch.isfinite(out).all()), **top1, **prof}
     if impl == "eaglet":
-        rec.update(optimizer=args.optimizer, norms=args.norms, draft_vocab=c.draft_vocab_size,
-                   loss_chunk=model.chunk)
+        rec.update(draft_vocab=c.draft_vocab_size, loss_chunk=model.chunk)
+    rec.update(optimizer=s.optimizer, norms=s.norms)
     if impl != "speculators":  # share of positions the loss counted (step 0), after the top-1 check
         rec["counted_share"] = round(float(out[0, 2]) / args.tokens, 4)
     if device.type == "cuda":
@@ -313,7 +363,7 @@ def check_flex_against_dense(device) -> dict:
         d.to(device)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             tgt = head.targets(b, 3)
-            loss, _ = TTTObjective(d, 3, 0.8, backend, compiled=backend == "flex")(b, tgt, tgt.counts)
+            loss, _ = TTTObjective(d, 3, TrainOptions().step_decay, backend, compiled=backend == "flex")(b, tgt, tgt.counts)
         loss.backward()
         out[backend] = (loss.item(), torch.cat([p.grad.flatten().float() for p in d.parameters() if p.grad is not None]))
     rel = ((out["dense"][1] - out["flex"][1]).norm() / out["dense"][1].norm()).item()
@@ -329,11 +379,16 @@ def main(argv=None) -> int:
     ap.add_argument("--doc-len", type=int, default=2048, help="sample length inside the packed batch")
     ap.add_argument("--steps", type=int, default=8, help="timed steps (median reported)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps after the first")
+    ap.add_argument("--settings", nargs="+", default=["equal"], choices=["equal", "defaults"],
+                    help="equal: both trainers at the flags below and --ttt; defaults: each at its own defaults")
     ap.add_argument("--train-lm-head", action="store_true", help="train lm_head (speculators 0.9.0 keeps it frozen)")
     ap.add_argument("--check", action="store_true", help="first compare flex and dense attention on the GPU")
     ap.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
-                    help="eaglet's optimiser: AdamW (what speculators is compared with) or the trainer's Muon + AdamW")
-    ap.add_argument("--norms", action="store_true", help="eaglet's draft with the recipe's three extra norms")
+                    help="equal settings: the optimiser of both, AdamW or Muon + AdamW (each trainer's own build)")
+    ap.add_argument("--lr", type=float, default=TrainOptions().lr, help="equal settings: the peak lr of both")
+    ap.add_argument("--step-decay", type=float, default=TrainOptions().step_decay,
+                    help="equal settings: the loss weight of TTT step k is this**k, in both")
+    ap.add_argument("--norms", action="store_true", help="equal settings: both drafts with the three norms " + "/".join(NORMS))
     ap.add_argument("--draft-vocab", type=int, default=0, help="draft vocabulary size (0: the shape's)")
     ap.add_argument("--loss-chunk", type=int, default=0,
                     help="rows a chunk of eaglet's fused head and loss (0: the trainer's, remote.draft.loss.loss_chunk_rows)")
@@ -347,13 +402,16 @@ def main(argv=None) -> int:
     if args.check and dist.device.type == "cuda":
         results.append(check_flex_against_dense(dist.device))
         print(json.dumps(results[-1]), flush=True)
+    runs = [(name, ttt) for name in args.settings for ttt in (args.ttt if name == "equal" else [0])]
     for shape in args.shape:
-        for ttt in args.ttt:
+        for name, ttt in runs:
             for impl in args.impl:
                 try:
-                    rec = measure(impl, shape, ttt, args, dist)
+                    s = equal_settings(args, ttt) if name == "equal" else own_defaults(impl)
+                    rec = {"settings": name, **measure(impl, shape, s, args, dist)}
                 except Exception as e:  # keep the other measurements; say what failed
-                    rec = {"impl": impl, "shape": shape, "ttt": ttt, "error": f"{type(e).__name__}: {e}"[:2000]}
+                    rec = {"settings": name, "impl": impl, "shape": shape, "ttt": ttt,
+                           "error": f"{type(e).__name__}: {e}"[:2000]}
                 results.append(rec)
                 if dist.rank == 0:
                     print(json.dumps(rec), flush=True)
