@@ -8,8 +8,10 @@ When the captured states would pass `capture.max_disk_gb`, the flow captures the
 trains its steps (one optimizer and schedule over the run: each window goes on from the last one's
 checkpoint in <run>/train-checkpoints), frees its shards. Each is its own task run, so the loop reads in
 the Prefect UI as capture / train / free per window; a progress artifact follows the run's steps. A
-window whose training finished in an earlier run of this flow (same config) is skipped, capture and
-all; a killed window's training resumes from its checkpoint. Capture and training alternate.
+window whose training and free finished in an earlier run of this flow (same config) is skipped, capture
+and all. A run killed in a window resumes it where it stopped: the capture from the cache, the training from
+its checkpoint; a window trained but not freed (killed in between) is freed first (its capture and training
+found finished), so the next window's disk plan does not count its states. Capture and training alternate.
 """
 from __future__ import annotations
 
@@ -72,9 +74,9 @@ def train_in_windows(ctx: RunContext, target: TargetOptions, dataset: PreparedDa
     for w, window in enumerate(plan.windows):
         wiring = dict(windows=plan.path, window=w, checkpoint_dir=ctx.step_dir("train-checkpoints"))
         folder = f"train-w{w:03d}"
-        trained = _finished(ctx, folder, train_config(ctx.step_dir(folder), target, ctx.step_dir(f"capture-w{w:03d}"),
-                                                       vocab, train, **wiring))
-        if trained is None:
+        trained = _finished(ctx, w, train_config(ctx.step_dir(folder), target, ctx.step_dir(f"capture-w{w:03d}"),
+                                                  vocab, train, **wiring))
+        if trained is None:  # the capture and training found finished (killed before the free) are reused
             captured = capture_hidden_states(ctx, target, dataset, capture, f"capture-w{w:03d}",
                                              posixpath.join(plan.path, window_ids_file(w)))
             trained = train_draft(ctx, target, captured, vocab, train, None, folder, **wiring)
@@ -90,14 +92,18 @@ def train_in_windows(ctx: RunContext, target: TargetOptions, dataset: PreparedDa
     return heldout, trained
 
 
-def _finished(ctx: RunContext, folder: str, config: dict) -> TrainedDraft | None:
-    """A window's training that an earlier run of this flow finished with the same config (remote.step's rule)."""
-    path = posixpath.join(ctx.step_dir(folder), MANIFEST)
+def _finished(ctx: RunContext, w: int, config: dict) -> TrainedDraft | None:
+    """Window w's training, when an earlier run of this flow finished it with the same config (remote.step's rule)
+    and freed its states; None: the window is still to run, or to finish (the free after a kill)."""
+    folder, freed = ctx.step_dir(f"train-w{w:03d}"), ctx.step_dir(f"free-w{w:03d}")
     with open_host(ctx.host) as host:
-        if not host.exists(path):
+        if not host.exists(posixpath.join(folder, MANIFEST)):
             return None
-        m = json.loads(host.read_text(path))
+        m = json.loads(host.read_text(posixpath.join(folder, MANIFEST)))
+        if not host.exists(posixpath.join(freed, MANIFEST)):
+            get_run_logger().info("%s: trained in an earlier run, its states not freed: freeing them first", folder)
+            return None
     if with_defaults(TrainConfig, m.get("config")) != as_recorded(config):
         return None  # the step itself refuses another config, by name
-    get_run_logger().info("%s: already trained in an earlier run (its capture is skipped)", ctx.step_dir(folder))
-    return TrainedDraft.from_manifest(ctx.step_dir(folder), m)
+    get_run_logger().info("%s: already trained in an earlier run (its capture is skipped)", folder)
+    return TrainedDraft.from_manifest(folder, m)

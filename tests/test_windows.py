@@ -7,7 +7,10 @@ forces three windows, the second across the epoch's end; the bytes in the captur
 the steps run, never pass it; every train sample is read exactly once an epoch, in the same order,
 with the same losses and weights as one capture of everything and one training, and its target top-1
 checked once in the run; a window's train step SIGKILLed after a checkpoint mid-window resumes on the
-same steps to the same end; a sample larger than the budget is refused with the figures.
+same steps to the same end; a sample larger than the budget is refused with the figures. The flow's own loop
+(tasks/windows.py, steps as subprocesses of a local host), killed with its step at each point of a window
+(mid-capture, mid-training, trained but not freed, between windows) and run again after each, ends with the
+draft of an uninterrupted run, byte for byte.
 
     .venv/bin/python -m pytest tests/test_windows.py -x -q
 """
@@ -31,7 +34,8 @@ from remote.train.train import main as train_main
 from tests.fixtures.capture import random_samples, write_dataset
 from tests.fixtures.polling import DiskWatch
 from tests.fixtures.train_inputs import save_vocab
-from tests.fixtures.windows import capture, in_windows, plan, step, train_config
+from tests.fixtures.windows import (ControllerKilled, KillPoint, capture, in_windows, kill_at, plan, step,
+                                    train_config, windows_flow)
 
 LAYERS = [1, 3, 4]  # of the 6-layer tiny Llama
 CAPTURE = {"backend": "transformers", "device": "cpu", "dtype": "float32", "layer_ids": LAYERS, "samples_per_shard": 4}
@@ -169,3 +173,32 @@ def test_the_plan_refuses_a_deadline_when_windows_are_needed_before_any_capture(
     assert re.search(r"train\.max_seconds 600: the states need 3 windows under capture\.max_disk_gb", err), err
     rc, m = plan(world, tmp_path, 0.0)
     assert rc == 0 and m["windows"] == [] and m["counts"]["windows"] == 0
+
+
+# The points where the flow can die in a run in windows, in the order the run meets them: mid-capture (a shard of
+# the window in the cache), mid-training (after a checkpoint), after a window's training and before its free,
+# between windows (freed, the next capture not started).
+KILLS = [KillPoint("capture-w000", "shard"), KillPoint("train-w000", "checkpoint"), KillPoint("free-w000", "before"),
+         KillPoint("capture-w001", "before")]
+
+
+@pytest.mark.slow
+def test_the_flow_killed_at_each_point_of_a_run_in_windows_resumes_to_the_uninterrupted_draft(
+        prefect_harness, world, tmp_path):
+    """The flow's own loop (tasks/windows.py) on a local host, each step a subprocess; the controller and its step
+    SIGKILLed at each point of KILLS in turn, the same run started again after each: it ends with the draft of an
+    uninterrupted run, byte for byte (a window trained but not freed is freed first, not counted by the next
+    window's disk plan)."""
+    world = {**world, "train": {**world["train"], "checkpoint_every": 2}}  # a checkpoint mid-window
+    (tmp_path / "sizes").mkdir()
+    budget = three_windows_budget(world, tmp_path / "sizes")
+    ref = windows_flow(world, tmp_path / "ref", budget)
+    assert ref.name == "train-w002"
+    run = tmp_path / "killed" / "runs" / "r"
+    for point in KILLS:
+        with kill_at(point), pytest.raises(ControllerKilled):
+            windows_flow(world, tmp_path / "killed", budget)
+        assert not (run / point.folder / "manifest.json").exists(), point
+    resumed = windows_flow(world, tmp_path / "killed", budget)
+    assert (resumed / "model.safetensors").read_bytes() == (ref / "model.safetensors").read_bytes()
+    assert losses(resumed) == losses(ref)
