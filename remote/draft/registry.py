@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 KINDS = {
     "eagle3": "remote.draft.eagle3:Eagle3",
     "dflash": "remote.draft.dflash:DFlash",
+    "eagle3_mla": "remote.draft.eagle3_mla:Eagle3MLA",
 }
 DEFAULT = "eagle3"  # the kind a train run builds (and a train folder without a recorded kind holds)
 
