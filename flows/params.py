@@ -87,6 +87,30 @@ class TrainDraftParams(_Params):
                     self.model_fields_set.discard(name)
         return self
 
+    @model_validator(mode="after")
+    def _block_from_eval_k(self) -> "TrainDraftParams":
+        """A block drafter (train.draft "dflash") is served with num_speculative_tokens = block_size - 1 (its block
+        is part of the model): train.draft_overrides.block_size, when not stated, is eval.num_speculative_tokens + 1;
+        a stated one that differs, or ttt_steps past the block's drafted slots, is refused by name."""
+        t, k = self.train, self.eval.num_speculative_tokens
+        if t.draft != "dflash":
+            return self
+        block = t.draft_overrides.get("block_size")
+        if block is None:
+            given, block = "train" in self.model_fields_set, k + 1
+            self.train = replace(t, draft_overrides={**t.draft_overrides, "block_size": block})
+            if not given:  # derived, not given: a preset's dump (flows.presets) keeps only its own sections
+                self.model_fields_set.discard("train")
+        elif block != k + 1:
+            raise ValueError(f"train.draft_overrides.block_size={block} with eval.num_speculative_tokens={k}: a dflash "
+                             f"draft is served with num_speculative_tokens = block_size - 1; set "
+                             f"eval.num_speculative_tokens={block - 1}, or leave block_size out (then it is k + 1)")
+        if t.ttt_steps > block - 1:
+            raise ValueError(f"train.ttt_steps={t.ttt_steps}: a dflash draft of block_size {block} (eval."
+                             f"num_speculative_tokens {k} + 1) drafts {block - 1} tokens a block; set train.ttt_steps "
+                             f"<= {block - 1}, or eval.num_speculative_tokens={t.ttt_steps} (block {t.ttt_steps + 1})")
+        return self
+
     @classmethod
     def from_preset(cls, path: str | Path | None, overrides: dict | None = None) -> "TrainDraftParams":
         """A preset file (JSON; none: the defaults) with dotted-key overrides, e.g. {"train.epochs": 1}."""

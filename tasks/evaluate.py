@@ -70,7 +70,9 @@ def evaluate_draft(ctx: RunContext, target: TargetOptions, draft: Any, dataset: 
     on_cpu = runs_on_cpu(m.get("versions", {}))
     context = {"run": ctx.run_name, "host": ctx.host.display_name, "target": target_dir, "draft": draft.path,
                "data_fingerprint": getattr(dataset, "fingerprint", None) or figures.get("data_fingerprint"),
-               "data": _data_line(dataset), "on_cpu": on_cpu, "k": config["num_speculative_tokens"]}
+               "data": _data_line(dataset), "on_cpu": on_cpu, "k": config["num_speculative_tokens"],
+               "kind": evaluation["provenance"].get("kind", "eagle3"),  # the draft's kind (remote.draft.registry)
+               "method": evaluation["provenance"].get("method", "eagle3")}
     create_markdown_artifact(key=REPORT_KEY, markdown=report_markdown(evaluation, figures, context, previous),
                              description=f"draft evaluation: acceptance length {_num(figures.get('acceptance_length'))}, "
                                          f"{speedup_text(figures)}")
@@ -150,7 +152,8 @@ def summary_markdown(figures: dict, context: dict) -> str:
              "| | this run |", "|---|---|",
              f"| target | `{context['target']}` on {context['host']} |",
              f"| data | {context.get('data') or 'n/a'}; fingerprint `{(context.get('data_fingerprint') or 'n/a')[:16]}` |",
-             f"| draft | `{context.get('draft', 'n/a')}` (vLLM eagle3 format) |",
+             f"| draft | `{context.get('draft', 'n/a')}` ({context.get('kind', 'eagle3')} draft, vLLM method "
+             f"{context.get('method', 'eagle3')}) |",
              f"| acceptance length | **{_num(figures.get('acceptance_length'))}** "
              f"({figures.get('acceptance_length_source')}, k = {context.get('k', 'n/a')}) |",
              f"| speed-up (decode) | {speedup_value(figures)} |"]
@@ -167,8 +170,9 @@ def summary_markdown(figures: dict, context: dict) -> str:
 
 def online_rows(online: dict) -> list[tuple[str, dict]]:
     """(label, greedy or sampled figures) of each online arm, in the order they ran."""
-    labels = {"baseline": "target alone", "eagle3": "this draft (eagle3)", "previous": "published draft (eagle3)",
-              "ngram": "n-gram lookup"}
+    kinds = online.get("kinds", {})  # the draft arms' kinds (the draft under test's arm is named "eagle3")
+    labels = {"baseline": "target alone", "eagle3": f"this draft ({kinds.get('eagle3', 'eagle3')})",
+              "previous": f"published draft ({kinds.get('previous', 'eagle3')})", "ngram": "n-gram lookup"}
     rows = []
     for arm in online.get("order") or list(online["arms"]):  # the order they ran (JSON keys come back sorted)
         res = online["arms"][arm]
@@ -184,7 +188,7 @@ def report_markdown(evaluation: dict, figures: dict, context: dict, previous: Cu
     out = [f"# Draft evaluation: {context['run']}", "",
            "| | value |", "|---|---|",
            f"| target | `{context['target']}` on {context['host']} |",
-           f"| draft | `{prov['draft_dir']}` |",
+           f"| draft | `{prov['draft_dir']}` ({prov.get('kind', 'eagle3')}) |",
            f"| data fingerprint | `{context.get('data_fingerprint') or prov.get('data_fingerprint') or 'n/a'}` |",
            f"| draft vocabulary | {prov.get('draft_vocab_size', 'n/a')} of {prov.get('target_vocab_size', 'n/a')} tokens, "
            f"coverage {_pct(prov.get('coverage'))} (train), {_pct(off.get('heldout_coverage') if off else None)} (held out) |",

@@ -50,8 +50,9 @@ class TrainedDraft(BaseModel):
 
 
 class ExportedDraft(BaseModel):
-    path: str  # the vLLM eagle3 folder on the host
+    path: str  # the exported folder on the host (vLLM loads it with its kind's method)
     figures: dict
+    kind: str = "eagle3"  # the draft's kind (train.draft; remote.draft.registry)
 
 
 def vocab_config(out_dir: str, target: TargetOptions, dataset: PreparedData, params: VocabOptions) -> dict:
@@ -75,11 +76,12 @@ def export_config(out_dir: str, trained: TrainedDraft, vocab: DraftVocabInfo) ->
     return asdict(ExportConfig(train_dir=trained.path, vocab_dir=vocab.path, out_dir=out_dir))
 
 
-def loss_curve_markdown(points: list[list[float]], figures: dict, heldout: list[list[float]] | None = None) -> str:
-    """The training run as markdown: the loss curve, the held-out acceptance curve (PNG images: the UI strips
-    inline SVG) and the final per-step accuracy."""
+def loss_curve_markdown(points: list[list[float]], figures: dict, heldout: list[list[float]] | None = None,
+                        kind: str = "eagle3") -> str:
+    """The training run as markdown: the draft's kind, the loss curve, the held-out acceptance curve (PNG images:
+    the UI strips inline SVG) and the final per-step accuracy."""
     acc = figures.get("final_acc") or []
-    lines = ["# Draft training", "",
+    lines = [f"# Draft training ({kind} draft)", "",
              f"{figures.get('steps', len(points))} steps, final loss {figures.get('final_loss', float('nan')):.4f}, "
              f"{figures.get('tokens_per_s', 0):.0f} tokens/s", ""]
     if len(points) >= 2:
@@ -121,9 +123,10 @@ def train_draft(ctx: RunContext, target: TargetOptions, captured: CapturedStates
     get_run_logger().info("trained %d steps, world size %d over %d host(s); tokens by host %s",
                           c["steps"], c["world_size"], c.get("nnodes", 1), m["figures"].get("tokens_by_node"))
     if ctx.part == 0 and m["train"].get("final", True):  # the manifest's curve: streamed events of a resumed run are partial
-        markdown = loss_curve_markdown(m["train"]["loss_points"], m["figures"], m["train"].get("heldout_points"))
+        kind = m["train"].get("kind", "eagle3")
+        markdown = loss_curve_markdown(m["train"]["loss_points"], m["figures"], m["train"].get("heldout_points"), kind)
         create_markdown_artifact(key="draft-training", markdown=markdown, description=(
-            f"draft training: {c['steps']} steps, final loss {m['figures'].get('final_loss', 0):.4f}"))
+            f"draft training ({kind}): {c['steps']} steps, final loss {m['figures'].get('final_loss', 0):.4f}"))
     return TrainedDraft.from_manifest(out_dir, m)
 
 
@@ -132,6 +135,7 @@ def export_draft(ctx: RunContext, target: TargetOptions, captured: CapturedState
                  trained: TrainedDraft, dataset: PreparedData) -> ExportedDraft:
     out_dir = ctx.step_dir("export")
     m = ctx.run_step("export", export_config(out_dir, trained, vocab), timeout=EXPORT_TIMEOUT_S, title="Export")
-    get_run_logger().info("exported the draft for vLLM (eagle3) to %s (target %s, data %s)", out_dir, target.model,
+    kind = m["export"].get("kind", "eagle3")
+    get_run_logger().info("exported the %s draft for vLLM to %s (target %s, data %s)", kind, out_dir, target.model,
                           getattr(dataset, "fingerprint", ""))
-    return ExportedDraft(path=out_dir, figures=m["figures"])
+    return ExportedDraft(path=out_dir, figures=m["figures"], kind=kind)

@@ -290,7 +290,7 @@ def _edited_copy(src: Path, dst: Path, **changes) -> Path:
     ({"vocab_size": 1000}, "vocab_size 1000 != the target's 49152"),
     ({"target_hidden_size": 256}, "target_hidden_size 256 != the target's hidden_size 576"),
     ({"eagle_aux_hidden_state_layer_ids": [1, 3, 31]}, "layer ids in [0, 30)"),
-    ({"architectures": ["LlamaForCausalLM"]}, "is not ['LlamaForCausalLMEagle3']"),
+    ({"architectures": ["LlamaForCausalLM"]}, "architectures ['LlamaForCausalLM'] is not ['LlamaForCausalLMEagle3', "),
 ])
 def test_a_draft_that_does_not_fit_the_target_is_refused(world, tmp_path, changes, message):
     bad = _edited_copy(world.draft, tmp_path / "bad", **changes)

@@ -5,15 +5,17 @@
     #  "capture_dir": "/runs/r1/capture", "out_dir": "/runs/r1/evaluate", "num_speculative_tokens": 3,
     #  "prompts": 32, "max_tokens": 64, "temperature": 0.7}       (remote/evaluate/config.py: EvaluateConfig)
 
-Offline: the draft runs its chain of `offline_steps` guesses over the held-out split's captured
-states (teacher-forced on the data's tokens, as in training) and each guess is compared with the
-target's top-1 (from the captured final state through the target's norm and lm_head); the chain
+Offline: the draft makes `offline_steps` guesses at every held-out position by its kind's own
+proposal rule (remote.draft.registry: a chain for EAGLE-3, one block for DFlash) over the held-out
+split's captured states (teacher-forced on the data's tokens, as in training) and each guess is
+compared with the target's top-1 (from the captured final state through the target's norm and lm_head); the chain
 math is remote.evaluate.acceptance. Two offline figures come of it: the expected acceptance length from
 the per-step conditional accuracies (every position a chain start), and the "replayed" one, which
 walks each assistant turn the way greedy decoding does (a chain starts where the last one ended);
 on text the target wrote itself the replayed one is what vLLM counts. Online: remote.evaluate.online_measure
-(vLLM's own counters). The draft is checked against the target before either starts, so a draft
-for another model is a BadInput.
+(vLLM's own counters, the draft served with its kind's method). The draft is checked against the target
+before either starts, so a draft for another model, or a k its kind cannot be served with (a DFlash
+draft: k = block_size - 1 online, at most that offline), is a BadInput.
 
 Writes out_dir/evaluation.json: offline and online results, the training loss curve and the
 draft's provenance (vocabulary coverage, data fingerprint); the manifest's figures are the flat
@@ -83,15 +85,28 @@ def measure_offline(cfg: EvaluateConfig, steps: int) -> dict:
             **tally.summary(min(cfg.num_speculative_tokens, steps)), "seconds": time.perf_counter() - t0}
 
 
+def offline_steps(cfg: EvaluateConfig, folder: DraftFolder) -> int:
+    """The guesses measured offline at each position (offline_steps, else k); a block drafter makes at most
+    block_size - 1 (BadInput naming the setting)."""
+    steps = cfg.offline_steps or cfg.num_speculative_tokens
+    block = getattr(folder.draft_config(), "block_size", None)
+    if block is not None and steps > block - 1:
+        name = "eval.offline_steps" if cfg.offline_steps else "eval.num_speculative_tokens"
+        raise BadInput(f"{name}={steps}: the {folder.kind.name} draft {folder.path} has block_size {block}, so it "
+                       f"guesses at most {block - 1} tokens at a position; set {name} <= {block - 1}")
+    return steps
+
+
 # ----------------------------------------------------------------------------- provenance
-def provenance(cfg: EvaluateConfig) -> dict:
-    """What the report says about the draft: its vocabulary, training run and data."""
+def provenance(cfg: EvaluateConfig, folder: DraftFolder) -> dict:
+    """What the report says about the draft: its kind, vocabulary, training run and data."""
     export_m = read_manifest(cfg.draft_dir) or {}
     made_from = export_m.get("config", {})
     train_dir, vocab_dir = cfg.train_dir or made_from.get("train_dir", ""), cfg.vocab_dir or made_from.get("vocab_dir", "")
     train_m = read_manifest(train_dir) if train_dir else None
     vocab_m = read_manifest(vocab_dir) if vocab_dir else None
-    out: dict = {"draft_dir": cfg.draft_dir, "target": cfg.target, "train_dir": train_dir, "vocab_dir": vocab_dir}
+    out: dict = {"draft_dir": cfg.draft_dir, "kind": folder.kind.name, "method": folder.kind.method,
+                 "target": cfg.target, "train_dir": train_dir, "vocab_dir": vocab_dir}
     if vocab_m:
         out["draft_vocab_size"] = vocab_m.get("vocab", {}).get("draft_vocab_size")
         out["target_vocab_size"] = vocab_m.get("vocab", {}).get("target_vocab_size")
@@ -122,7 +137,7 @@ def figures_of(result: dict) -> dict:
     f["acceptance_length"] = f["online_acceptance_length"] if on else offline_best
     f["acceptance_length_source"] = "online" if on else "offline, replayed"
     prov = result["provenance"]
-    for key in ("coverage", "draft_vocab_size", "data_fingerprint"):
+    for key in ("kind", "coverage", "draft_vocab_size", "data_fingerprint"):
         if prov.get(key) is not None:
             f[key] = prov[key]
     if prov.get("train_figures", {}).get("final_loss") is not None:
@@ -136,11 +151,13 @@ def run(raw: dict) -> dict:
     if done is not None:
         return done
     online_cfg = cfg.online_config() if cfg.online else None
-    check_draft(cfg.draft_dir, cfg.target)  # before any model is loaded or any engine starts
+    # before any model is loaded or any engine starts
+    folder = check_draft(cfg.draft_dir, cfg.target, cfg.num_speculative_tokens if online_cfg is not None else None)
+    steps = offline_steps(cfg, folder) if cfg.capture_dir else 0
     t0 = time.perf_counter()
-    result: dict = {"provenance": provenance(cfg)}
+    result: dict = {"provenance": provenance(cfg, folder)}
     if cfg.capture_dir:
-        result["offline"] = measure_offline(cfg, cfg.offline_steps or cfg.num_speculative_tokens)
+        result["offline"] = measure_offline(cfg, steps)
         off = result["offline"]
         log(f"evaluate: offline acceptance length {off['acceptance_length']:.3f} at k={off['k']} "
             f"over {off['tokens']} held-out tokens, {off['seconds']:.1f} s")

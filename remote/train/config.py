@@ -38,9 +38,14 @@ class TrainOptions(Checked):
     (docs/TRAINING.md has the measurements behind each default: ttt_steps 3, the lm_head frozen, Muon at lr 6e-3 won the
     ablation in bench/results/defaults-ablation-h100-20261207.json at k = 3 and k = 5; tests/test_defaults.py)."""
 
-    # -- the objective
+    # -- the draft and its objective
+    draft: Literal["eagle3", "dflash", "eagle3_mla"] = "eagle3"
+    """the draft's kind (remote/draft/registry.py's KINDS; docs/TRAINING.md, "Choosing the draft"): eagle3, one
+    Llama layer proposing a chain (vLLM method eagle3); dflash, block drafting (method dflash), its block_size
+    (train.draft_overrides) served with eval.num_speculative_tokens = block_size - 1; eagle3_mla, the EAGLE-3
+    draft with a DeepSeek MLA layer (method eagle3, vLLM only)"""
     ttt_steps: int = bounded(3, ge=1)
-    """training-time-test steps unrolled"""
+    """training-time-test steps unrolled (dflash: the drafted slots of a block trained, at most block_size - 1)"""
     step_decay: float = bounded(1.0, gt=0)
     """loss weight of TTT step k is step_decay**k (1.0: every step alike)"""
     drop_outside_top1: bool = True

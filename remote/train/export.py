@@ -4,9 +4,11 @@
     # {"train_dir": "/runs/r1/train", "vocab_dir": "/runs/r1/vocab", "out_dir": "/runs/r1/export"}
 
     LLM(target, speculative_config={"method": "eagle3", "model": "<out_dir>", "num_speculative_tokens": 3})
+    LLM(target, speculative_config={"method": "dflash", "model": "<out_dir>", "num_speculative_tokens": 7})  # block 8
 
-The train step's manifest names the draft's kind (train.kind; a folder from before kinds were recorded holds
-remote.draft.registry.DEFAULT's); the kind (remote/draft/<kind>.py, e.g. eagle3.py) says what config.json holds,
+The train step's manifest names the draft's kind (train.kind: the flow's train.draft; a folder from before kinds
+were recorded holds remote.draft.registry.DEFAULT's), served with that kind's method (the manifest's export.kind
+and export.format say which); the kind (remote/draft/<kind>.py: eagle3.py, dflash.py) says what config.json holds,
 which engines can serve the draft and what the model card says, and remote.draft.folder writes the folder:
 out_dir/config.json, model.safetensors (the draft's weights under the engines' names in `dtype`, `d2t`, `t2d`;
 no `embed_tokens`: the engines share the target's) and README.md, the model card (target, data fingerprint,

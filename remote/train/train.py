@@ -55,7 +55,7 @@ from remote.capture.store import CaptureSet
 from remote.draft.data import CaptureIndex, epochs_for, plan_steps
 from remote.draft.folder import read_weights
 from remote.draft.loss import TargetHead, step_weights
-from remote.draft.registry import DEFAULT, kind
+from remote.draft.registry import kind
 from remote.draft.vocab import DraftVocab
 from remote.evaluate.chains import chain_tally, heldout_plan
 from remote.step import BadInput, StepOutput, begin_step, emit, log, progress, step_main, write_json_atomic
@@ -550,7 +550,7 @@ def resolve_inputs(cfg: TrainConfig):
     target = Path(cfg.target or capture.target)
     if not (target / "config.json").is_file():
         raise BadInput(f"target {target}: no config.json (set target in the train config)")
-    draft_kind = kind(DEFAULT)
+    draft_kind = kind(cfg.draft)  # train.draft: a kind of remote.draft.registry.KINDS
     try:
         dcfg = draft_kind.config.from_target_dir(target, draft_vocab_size=len(vocab.d2t),
                                                  aux_layer_ids=capture.layer_ids, **cfg.draft_overrides)
