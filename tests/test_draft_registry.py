@@ -12,7 +12,7 @@ from remote.draft.folder import load_model, read_folder, read_weights, weight_na
 from remote.draft.model import EagleDraft
 from remote.draft.registry import DEFAULT, KINDS, kind, kind_of_export, kind_of_model
 from remote.step import BadInput
-from tests.test_export_golden import export_hashes
+from tests.fixtures.golden import export_hashes
 
 
 def test_kinds_are_found_by_name_architecture_and_model():

@@ -25,8 +25,7 @@ from remote.draft.folder import export_tensors, read_folder, write_folder
 from remote.draft.model import TTTAttention
 from remote.draft.vocab import DraftVocab
 from remote.step import BadInput
-from tests.test_dflash import eaglet_side
-from tests.test_export_options import PROMPT
+from tests.fixtures.export import PROMPT, eaglet_side
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = (1, 2, 3)

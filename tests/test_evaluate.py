@@ -26,7 +26,7 @@ from remote.capture.store import read_shard, write_shard
 from remote.evaluate.online_measure import check_draft, heldout_prompts
 from remote.step import EXIT_BAD_INPUT, BadInput
 from tests.fixtures.export import random_like
-from tests.fixtures.train_inputs import generated_capture
+from tests.fixtures.train_inputs import generated_capture, write_data
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_CACHE = Path(os.environ.get("EAGLET_TEST_CACHE", "/tmp/eaglet-test-cache"))
@@ -37,19 +37,6 @@ PROMPTS, BATCH = 20, N_HELDOUT  # prompts asked for (only N_HELDOUT exist), requ
 
 
 # ----------------------------------------------------------------------------- inputs
-def write_data(path: Path, seqs, masks, splits) -> Path:
-    """A data.parquet as the prepare step writes it."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.table({
-        "sample_id": [f"s{i}" for i in range(len(seqs))],
-        "input_ids": pa.array(seqs, pa.list_(pa.int32())), "loss_mask": pa.array(masks, pa.list_(pa.int8())),
-        "length": pa.array([len(s) for s in seqs], pa.int32()), "split": splits}), path)
-    return path
-
-
 def set_splits(capture_dir: Path, splits: dict[str, str]) -> None:
     """Rewrite the capture's shards with these splits (the HF capture helper marks every sample train)."""
     m = json.loads((capture_dir / "manifest.json").read_text())["capture"]

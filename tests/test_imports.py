@@ -1,6 +1,6 @@
-"""What the packages may import: remote/ runs on the host without Prefect or Fabric, the step
-configs load on the controller without torch or vLLM, and tasks/ imports no module that imports it
-back (each module can be read, and imported, on its own); no test module imports another."""
+"""What the packages may import: remote/ runs on the host without Prefect or Fabric; no test module imports
+another. The layers (no circle, the contract on the standard library alone) are tests/test_house.py's, the
+controller without the heavy packages tests/test_controller_imports.py's."""
 import ast
 import json
 import subprocess
@@ -34,41 +34,6 @@ def test_remote_imports_neither_prefect_nor_fabric():
     modules = _modules("remote")
     assert "remote.step" in modules and "remote.capture.backend_vllm" in modules
     assert _loaded_after_importing(modules, ["prefect", "fabric", "paramiko", "invoke"]) == []
-
-
-def test_step_configs_import_the_standard_library_only():
-    configs = [m for m in _modules("remote") if m.endswith(".config") and m != "remote.draft.config"]
-    assert len(configs) == 6, configs  # remote.config, one a stage (data, capture, train, evaluate), the engine's
-    assert _loaded_after_importing(configs, ["torch", "numpy", "vllm", "transformers", "pydantic", "prefect"]) == []
-
-
-def _imports(path: Path) -> set[str]:
-    """The tasks.* modules a tasks/ file imports when it is loaded (module-level statements)."""
-    found = set()
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tasks."):
-            found.add(node.module)
-        elif isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.startswith("tasks.")}
-    return found
-
-
-def test_tasks_have_no_import_cycle():
-    graph = {m: _imports(path) for m, path in _files("tasks").items()}
-    state: dict[str, str] = {}
-
-    def visit(m: str, path: list[str]) -> None:
-        if state.get(m) == "done":
-            return
-        assert state.get(m) != "open", "import cycle: " + " -> ".join(path[path.index(m):] + [m])
-        state[m] = "open"
-        for n in sorted(graph.get(m, ())):
-            visit(n, path + [m])
-        state[m] = "done"
-
-    for m in sorted(graph):
-        visit(m, [])
-    assert graph["tasks.train"] >= {"tasks.context"}, "the walk reads the real imports"
 
 
 def _imported_names(path: Path) -> set[str]:

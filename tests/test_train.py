@@ -15,20 +15,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from remote.step import EVENT_PREFIX, EXIT_BAD_INPUT
+from remote.step import EXIT_BAD_INPUT
 from remote.train.state import cpu_bf16_matmuls
 from remote.train.vocab import choose_vocab
-from tests.fixtures.train_inputs import LAYER_IDS, hf_capture, random_chats, run_train, save_vocab
+from tests.fixtures.train_inputs import LAYER_IDS, events, hf_capture, random_chats, run_train, save_vocab
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 # ----------------------------------------------------------------------------- helpers
-def events(stdout: str, kind: str) -> list[dict]:
-    evs = [json.loads(line[len(EVENT_PREFIX):]) for line in stdout.splitlines() if line.startswith(EVENT_PREFIX)]
-    return [e for e in evs if e["event"] == kind]
-
-
 # ----------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def inputs(tiny_llama, tmp_path_factory):

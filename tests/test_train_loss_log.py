@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import json
 
-from tests.fixtures.train_inputs import hf_capture, random_chats, run_train, save_vocab
-from tests.test_train import events
+from tests.fixtures.train_inputs import events, hf_capture, random_chats, run_train, save_vocab
 
 
 def test_a_step_without_loss_tokens_is_counted_not_logged_as_zero(tiny_llama, tmp_path):
