@@ -1,7 +1,7 @@
 #!/bin/bash
 # The trainer's compile for an arm of issue 12's 10-minute preset (bench/quality_arms.json) with torch's own log of
 # it, in one device call and no carried model: SmolLM2-135M-Instruct's shape (bench/smollm2-config.json) with random
-# weights (the graphs depend on shapes and settings alone), then `remote.train.warm` (two steps and two held-out
+# weights (the graphs depend on shapes and settings alone), then `bench.warm` (two steps and two held-out
 # evaluations: the real run's graphs) under TORCH_LOGS=dynamo,recompiles,graph_breaks (each frame's tracing and
 # compile in order, timed, and why a graph recompiled or broke). What it is for: at 16,384 tokens a step the first
 # step's graphs took 238-268 s to compile on an H200 where 8,192 took 70-100 s (docs/TRAINING.md, the seventh try).
@@ -25,7 +25,7 @@ train = {**arm['train'], 'compile': '${COMPILE:-auto}', **({'token_budget': int(
 json.dump({'target': '$M', 'out_dir': '$W', 'draft_vocab_size': 32000, 'nice': 0, 'train': train}, sys.stdout)
 " > "$M.warm.json" || exit 1
 s=$(date +%s)
-TORCH_LOGS=dynamo,recompiles,graph_breaks timeout "${T:-200}" python3 -m remote.train.warm --config "$M.warm.json" \
+TORCH_LOGS=dynamo,recompiles,graph_breaks timeout "${T:-200}" python3 -m bench.warm --config "$M.warm.json" \
     > "$O/warm-$ARM.log" 2>&1
 echo "warm of $ARM: rc=$? in $(( $(date +%s) - s )) s" | tee "$O/summary-$ARM.txt"
 cp "$W/manifest.json" "$O/manifest-$ARM.json" 2>/dev/null

@@ -6,7 +6,7 @@ On an H200 the 10-minute recipe's step ran 53-68 ms on a real capture on one hos
 on another (bench/results/quality-h200-ten-minutes-20261204d.json, docs/TRAINING.md): the host or the data? Both
 arms run `python -m remote.train.train` as the host does, one after the other, with the same settings (--train, a
 JSON of TrainConfig keys; default the 10-minute arm's recipe) for --steps steps and no held-out evaluation but
-the last one: the capture as it is, then remote.train.warm's synthetic states of its shape (the target's hidden
+the last one: the capture as it is, then bench.warm's synthetic states of its shape (the target's hidden
 size, the capture's layers, the vocabulary's size; samples of 64-1024 tokens, enough for --synthetic-steps steps,
 trained over again as epochs). Reports each arm's median step (loss.jsonl's seconds, from step 10: the first
 compiles) overall and by 50-step windows, and the real arm's over the synthetic one's. The synthetic states are
@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.eval_bench import run_step  # noqa: E402
 from remote.draft.vocab import DraftVocab  # noqa: E402
-from remote.train.warm import WarmConfig, synthetic_inputs  # noqa: E402
+from bench.warm import WarmConfig, synthetic_inputs  # noqa: E402
 
 RECIPE = {"ttt_steps": 3, "token_budget": 8192, "optimizer": "muon", "train_lm_head": False,
           "draft_overrides": {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True}}

@@ -49,7 +49,7 @@ their data ("subset": the first --subset-rows samples; "all": every one); an arm
 captures its data itself into a fresh cache, timed as its own (the 10-minute arm: capture +
 training + offline evaluation within budget_seconds: the trainer gets what is left as its own deadline,
 max_seconds, and cuts its steps to what fits at the pace it measures; an eaglet one compiles the trainer's graphs
-beside its capture, remote.train.warm, unless --no-compile-ahead). Arms run one after another, or --parallel at a
+beside its capture, bench.warm, unless --no-compile-ahead). Arms run one after another, or --parallel at a
 time (each a process; `concurrent` in each record names the arms that ran beside it, so its wall
 time is read with that). Results go to OUT/quality.json, rewritten as each
 arm ends; an arm marked keep leaves its draft in OUT/draft-<name>.tar (the lm_head left out when
@@ -203,7 +203,7 @@ def run_arm(arm: dict, shared: dict, model: str, a, work: Path, t_start: float, 
                 warm = {"target": model, "out_dir": str(folder / "warm"), "draft_vocab_size": a.draft_vocab_size,
                         "train": arm.get("train", {})}
                 pool = ThreadPoolExecutor(1)
-                ahead = pool.submit(run_step, "warm", warm, folder, left(), "remote.train.warm")
+                ahead = pool.submit(run_step, "warm", warm, folder, left(), "bench.warm")
                 pool.shutdown(wait=False)  # its one task runs on; the thread ends with it
             data = shared["datasets"][rec["data"]]
             own = capture_and_vocab(data, model, folder, str(Path(a.cache_root) / name), a)
@@ -394,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="budget arms: this many seconds instead of the arm's budget_seconds (a run that must fit a call)")
     ap.add_argument("--no-compile-ahead", dest="compile_ahead", action="store_false",
                     help="own-capture eaglet arms: do not compile the trainer's graphs beside the capture "
-                         "(remote.train.warm); the trainer's first step then compiles them")
+                         "(bench.warm); the trainer's first step then compiles them")
     ap.add_argument("--smoke", action="store_true", help="CPU dress rehearsal: tiny random target, few rows")
     ap.add_argument("--unpack", nargs=2, metavar=("TAR", "DEST"), help="only make a kept draft whole (with --model-dir)")
     ap.add_argument("--check", action="store_true", help="only check the arms' settings against their configs")

@@ -1,4 +1,4 @@
-"""What compiling ahead (remote.train.warm) costs the capture it runs beside, by the warm step's niceness.
+"""What compiling ahead (bench.warm) costs the capture it runs beside, by the warm step's niceness.
 
     .venv/bin/python bench/warm_beside_bench.py --model-dir CACHE/embedded-default/smollm2-135m-instruct-float32 \
         --prepared PACK/a/data.parquet --rows 96 --out bench/results/warm_beside-cpu-DATE.json
@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.eval_bench import run_step  # noqa: E402
 from bench.quality_bench import select_rows  # noqa: E402
-from remote.train.warm import WarmConfig  # noqa: E402
+from bench.warm import WarmConfig  # noqa: E402
 
 
 def arm(name: str, nice: int | None, a, data: Path, work: Path) -> dict:
@@ -44,7 +44,7 @@ def arm(name: str, nice: int | None, a, data: Path, work: Path) -> dict:
                 "nice": nice, "train": {"ttt_steps": 3, "token_budget": a.token_budget, "optimizer": "muon",
                                         "train_lm_head": False, **({} if a.gpu else {"compile": "yes", "device": "cpu"})}}
         pool = ThreadPoolExecutor(1)
-        ahead = pool.submit(lambda: (run_step("warm", warm, folder, None, "remote.train.warm"),
+        ahead = pool.submit(lambda: (run_step("warm", warm, folder, None, "bench.warm"),
                                      time.perf_counter() - t0))
         pool.shutdown(wait=False)
     cap_s, cap_m = run_step("capture", {"dataset": str(data), "target": a.model_dir, "out_dir": str(folder / "capture"),

@@ -1,4 +1,4 @@
-"""remote.train.warm: the train step's compiled graphs made ahead, on synthetic states of the real run's shape.
+"""bench.warm: the train step's compiled graphs made ahead, on synthetic states of the real run's shape.
 
 Real parts: the trainer compiled on the CPU (inductor's C++ kernels; on a GPU Triton's), in fresh processes whose
 compile cache is a folder of the test's own (TORCHINDUCTOR_CACHE_DIR), on a capture of the tiny target's own states."""
@@ -18,7 +18,7 @@ def _step(module: str, cfg: dict, path, cache) -> dict:
 
 @pytest.mark.slow
 def test_a_run_after_the_warm_step_finds_its_graphs_compiled(tiny_llama, tmp_path):
-    """`remote.train.warm` with a run's own settings (its budget, deadline and folders the warm step's own) in a
+    """`bench.warm` with a run's own settings (its budget, deadline and folders the warm step's own) in a
     fresh compile cache, then the run itself on a real capture: it compiles the same graphs as the warm step did
     (two steps and a held-out evaluation each) in well under half the time (read back from the cache), and the
     warm step leaves no inputs behind."""
@@ -28,7 +28,7 @@ def test_a_run_after_the_warm_step_finds_its_graphs_compiled(tiny_llama, tmp_pat
     voc = save_vocab(seqs, masks, vocab, 200, tmp_path / "vocab")
     train = {"ttt_steps": 3, "token_budget": 96, "max_steps": 3, "eval_tokens": 96, "compile": "yes", "device": "cpu",
              "optimizer": "muon", "train_lm_head": False, "draft_overrides": {"norm_before_fc": True}}
-    w = _step("remote.train.warm", {"target": str(tiny_llama), "train": {**train, "max_seconds": 60},
+    w = _step("bench.warm", {"target": str(tiny_llama), "train": {**train, "max_seconds": 60},
                                      "draft_vocab_size": 200, "layer_ids": list(LAYER_IDS),
                                      "out_dir": str(tmp_path / "w")}, tmp_path / "w.json", tmp_path / "cache")
     run = _step("remote.train.train", {**train, "capture_dir": str(cap), "vocab_dir": str(voc),

@@ -1,6 +1,6 @@
 """Compile ahead: the compiled train step's graphs made while the capture still runs.
 
-    python -m remote.train.warm --config c.json
+    python -m bench.warm --config c.json
     # {"target": "/models/smollm2", "train": {"token_budget": 8192, "ttt_steps": 3, ...},
     #  "draft_vocab_size": 32000, "out_dir": "/runs/r1/warm"}
 
