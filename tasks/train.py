@@ -76,13 +76,19 @@ def export_config(out_dir: str, trained: TrainedDraft, vocab: DraftVocabInfo) ->
     return asdict(ExportConfig(train_dir=trained.path, vocab_dir=vocab.path, out_dir=out_dir))
 
 
+def final_loss_text(figures: dict) -> str:
+    """The last scored step's loss, or that no step had loss tokens (the train step then records none)."""
+    loss = figures.get("final_loss")
+    return "no step had loss tokens" if loss is None else f"final loss {loss:.4f}"
+
+
 def loss_curve_markdown(points: list[list[float]], figures: dict, heldout: list[list[float]] | None = None,
                         kind: str = "eagle3") -> str:
     """The training run as markdown: the draft's kind, the loss curve, the held-out acceptance curve (PNG images:
     the UI strips inline SVG) and the final per-step accuracy."""
     acc = figures.get("final_acc") or []
     lines = [f"# Draft training ({kind} draft)", "",
-             f"{figures.get('steps', len(points))} steps, final loss {figures.get('final_loss', float('nan')):.4f}, "
+             f"{figures.get('steps', len(points))} steps, {final_loss_text(figures)}, "
              f"{figures.get('tokens_per_s', 0):.0f} tokens/s", ""]
     if len(points) >= 2:
         lines += [loss_chart(points, LOSS_CAPTION), ""]
@@ -126,7 +132,7 @@ def train_draft(ctx: RunContext, target: TargetOptions, captured: CapturedStates
         kind = m["train"].get("kind", "eagle3")
         markdown = loss_curve_markdown(m["train"]["loss_points"], m["figures"], m["train"].get("heldout_points"), kind)
         create_markdown_artifact(key="draft-training", markdown=markdown, description=(
-            f"draft training ({kind}): {c['steps']} steps, final loss {m['figures'].get('final_loss', 0):.4f}"))
+            f"draft training ({kind}): {c['steps']} steps, {final_loss_text(m['figures'])}"))
     return TrainedDraft.from_manifest(out_dir, m)
 
 

@@ -144,6 +144,9 @@ def test_task_configs_and_loss_artifact():
     assert "| top-1 agreement | 0.500 | 0.250 |" in md
     with_heldout = loss_curve_markdown([[1, 3.0], [2, 2.5]], {"steps": 2, "best_step": 2}, [[1, 1.2, 1.1], [2, 1.5, 1.4]])
     assert with_heldout.count("data:image/png;base64,") == 2 and "held-out acceptance length per step" in with_heldout
+    assert "final loss 2.0000" in md
+    # a run whose steps had no loss tokens records no final loss: the card says so instead of a 0
+    assert "no step had loss tokens" in loss_curve_markdown([], {"steps": 4, "final_loss": None})
 
 
 # ----------------------------------------------------------------------------- warm start (the nightly retrain)

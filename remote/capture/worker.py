@@ -9,8 +9,9 @@
     llm.collective_rpc("eaglet_capture_end")       # drains the writer, hooks off
 
 remote.capture.capture drives it; this module needs vLLM only inside the worker. Why it looks like this:
-- Forward hooks on the decoder layers read `hidden_states + residual` (the residual stream; FACTS.md)
-  at the aux layers and the last layer. vLLM compiles the model once and then skips Python hooks
+- Forward hooks on the decoder layers read `hidden_states + residual` (vLLM's decoder layer returns the two
+  apart; their sum is the residual stream, HF's hidden state: tests/test_capture_vllm.py compares them) at the
+  aux layers and the last layer. vLLM compiles the model once and then skips Python hooks
   added later without a word, so the engine runs eager (`enforce_eager=True`) and every pass checks
   that the hooks fired. Prefix caching is off: a cached prefix is never computed, so never captured.
 - One pass holds several requests, one request spans several passes (chunked prefill), a preempted

@@ -4,7 +4,7 @@
                                          draft_vocab_size=32000, aux_layer_ids=(2, 16, 29))
 
 The draft is one Llama-style decoder layer on top of the target's hidden states, so every shape
-but the draft vocabulary comes from the target (FACTS.md, "EAGLE-3 conventions").
+but the draft vocabulary comes from the target (the layout vLLM's and SGLang's EAGLE-3 models load: remote/draft/eagle3.py).
 """
 from __future__ import annotations
 

@@ -7,7 +7,8 @@
     for k, normed in unroll(draft, batch, steps, attn): ...          # the unroll both of them use
 
 One unroll and one alignment rule, here, for the training objective, the logged loss and the
-offline evaluation (remote.draft.eagle3.Eagle3.guesses). Alignment (vLLM's, see FACTS.md):
+offline evaluation (remote.draft.eagle3.Eagle3.guesses). Alignment (vLLM's proposer, which tests/test_export_options.py
+checks against eaglet's forward):
 the draft at packed position t of step k reads token t+1+k with rotary position pos[t]+k and
 predicts token t+2+k, whose target distribution is the target's softmax at t+1+k (its lm_head
 over its final norm of the captured last state), restricted to the draft vocabulary. Step k at t
