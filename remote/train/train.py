@@ -57,6 +57,7 @@ from remote.draft.folder import read_weights
 from remote.draft.loss import TargetHead, step_weights
 from remote.draft.registry import kind
 from remote.draft.vocab import DraftVocab
+from remote.engine.devices import check_gpu_count
 from remote.evaluate.chains import chain_tally, heldout_plan
 from remote.step import BadInput, StepOutput, begin_step, emit, log, progress, step_main, write_json_atomic
 from remote.train.config import TrainConfig
@@ -662,6 +663,8 @@ def _publish_draft(cfg: TrainConfig, out: StepOutput, trainer: Trainer, counts: 
 def launch(cfg: TrainConfig, raw: dict, out: StepOutput) -> dict | None:
     """Run this step under torchrun (several processes) and map its outcome to ours."""
     resolve_inputs(cfg)  # a bad input fails here, with exit 65, before any process starts
+    if cfg.device != "cpu":  # one process a GPU: a CUDA host with fewer is refused by name (a CPU host runs gloo)
+        check_gpu_count(cfg.nproc_per_node, "train.nproc_per_node")
     stage = out.open()
     for f in stage.glob("bad_input.rank*.txt"):
         f.unlink()
