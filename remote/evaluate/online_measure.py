@@ -60,8 +60,6 @@ def check_draft(draft_dir: str | os.PathLike, target_dir: str | os.PathLike, k: 
     draft = read_folder(draft_dir)
     target = text_settings(read_config(target_dir))
     c, where = draft.config, f"{draft.kind.name} draft {draft.path}"  # kind: BadInput for an architecture no kind has
-    if k is not None:
-        served_k(draft, k)
     problems = []
     if int(c.get("vocab_size", -1)) != int(target["vocab_size"]):
         problems.append(f"vocab_size {c.get('vocab_size')} != the target's {target['vocab_size']}")
@@ -77,6 +75,8 @@ def check_draft(draft_dir: str | os.PathLike, target_dir: str | os.PathLike, k: 
     problems += _recorded_target_problems(draft, target, str(target_dir))
     if problems:
         raise BadInput(f"{where} does not fit target {target_dir}: " + "; ".join(problems))
+    if k is not None:  # its config read back (draft_config()) only once it fits the target
+        served_k(draft, k)
     return draft
 
 
