@@ -77,6 +77,9 @@ def test_a_window_trained_before_an_option_existed_counts_as_trained(tmp_path, m
     folder.mkdir(parents=True)
     (folder / "manifest.json").write_text(json.dumps({"config": recorded, "counts": {"steps": 3}, "figures": {},
                                                       "train": {"final": False}}))
-    trained = windows._finished(ctx, "train-w000", config)
+    freed = Path(ctx.step_dir("free-w000"))  # the window counts as done once its states are freed
+    freed.mkdir(parents=True)
+    (freed / "manifest.json").write_text(json.dumps({"step": "free", "counts": {}, "figures": {}}))
+    trained = windows._finished(ctx, 0, config)
     assert trained is not None and trained.steps == 3 and not trained.final
-    assert windows._finished(ctx, "train-w000", {**config, "checkpoint_dir": "/elsewhere"}) is None
+    assert windows._finished(ctx, 0, {**config, "checkpoint_dir": "/elsewhere"}) is None

@@ -179,7 +179,7 @@ if __name__ == "__main__":
     spec = {"method": "eagle3", "model": draft_dir, "num_speculative_tokens": 2}
     llm = LLM(model=target_dir, speculative_config=spec, dtype="float32", max_model_len=128, max_num_seqs=1,
               enforce_eager=True, compilation_config={"custom_ops": ["all", "-rotary_embedding"]},
-              worker_extension_cls="tests.test_export_options.DraftProbe")
+              worker_extension_cls="tests.fixtures.export.DraftProbe")
     llm.collective_rpc("probe_draft")
     llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
                  use_tqdm=False)

@@ -27,7 +27,7 @@ from remote.capture.store import read_shard, write_shard
 from remote.evaluate.online_measure import check_draft, heldout_prompts
 from remote.step import EXIT_BAD_INPUT, BadInput
 from tests.fixtures.export import random_like
-from tests.fixtures.train_inputs import generated_capture, write_data
+from tests.fixtures.train_inputs import REPO, generated_capture, write_data
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_CACHE = Path(os.environ.get("EAGLET_TEST_CACHE", "/tmp/eaglet-test-cache"))
@@ -206,20 +206,21 @@ def test_a_smollm2_draft_trains_in_bf16_where_the_cpu_does_bf16_in_hardware(worl
     assert m["train"]["precision"] == ("bf16" if cpu_bf16_matmuls() else "fp32")  # precision auto, H 576
 
 
-def test_the_cpu_engine_computes_with_a_thread_a_core(monkeypatch):
+def test_the_cpu_engine_computes_with_a_thread_a_core():
     """The in-process CPU engine's torch threads: one a core by default (one fewer left a core idle: 1.35x slower
-    decoding on 2 cores, bench/results/eval_threads-cpu-20261205.json), or what cpu_threads says."""
-    from remote.evaluate.config import OnlineConfig
-    from remote.evaluate.online_measure import _prepare_process
-
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # undone after the test, as what the function sets
-    threads = torch.get_num_threads()
-    try:
-        for asked, want in ((0, os.cpu_count()), (1, 1)):
-            _prepare_process(OnlineConfig(target="t", draft_dir="d", data="x", tensor_parallel_size=2, cpu_threads=asked))
-            assert torch.get_num_threads() == want, (asked, torch.get_num_threads())
-    finally:
-        torch.set_num_threads(threads)
+    decoding on 2 cores, bench/results/eval_threads-cpu-20261205.json), or what cpu_threads says. In a fresh
+    process, as the step's: once a vLLM CPU worker has run in a process, torch.set_num_threads does nothing."""
+    probe = ("import os, torch\n"
+             "from remote.evaluate.config import OnlineConfig\n"
+             "from remote.evaluate.online_measure import _prepare_process\n"
+             "for asked in (0, 1):\n"
+             "    _prepare_process(OnlineConfig(target='t', draft_dir='d', data='x', tensor_parallel_size=2,"
+             " cpu_threads=asked))\n"
+             "    print(torch.get_num_threads())\n")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert [int(n) for n in out.stdout.split()] == [os.cpu_count(), 1]
 
 
 def test_generation_stops_at_the_time_budget():

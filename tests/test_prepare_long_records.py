@@ -1,7 +1,7 @@
 """A record of any size prepares in what max_length can keep (issue 37, item 6): its text is cut before it is
 rendered and tokenized (remote.data.chat_template's `within`), then its tokens to max_length, to the tokens
 and loss mask that tokenizing it whole gives; a 200 MB one-record JSONL prepares in flat memory (the peak
-measured: the step's process's ru_maxrss); a crash of the tokenizer names the records it was given.
+measured: the step's process's ru_maxrss, as a small launcher's wait4 reports it); a crash of the tokenizer names the records it was given.
 
     .venv/bin/python -m pytest tests/test_prepare_long_records.py -q
 """
@@ -89,13 +89,16 @@ def test_a_200_mb_record_prepares_in_flat_memory_cut_to_max_length(tok, tmp_path
     cfg = tmp_path / "prepare.config.json"
     cfg.write_text(json.dumps({"inputs": [str(data)], "tokenizer": str(tok), "out_dir": str(tmp_path / "out"),
                                "max_length": 2048}))
-    proc = subprocess.Popen([sys.executable, "-m", "remote.data.prepare", "--config", str(cfg)], cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
-    err = proc.stderr.read().decode()
-    _, status, usage = os.wait4(proc.pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, err[-3000:]
-    peak = usage.ru_maxrss * 1024  # Linux: KiB
+    # The step starts from a small launcher, which reports its peak: a process forked from this one (GBs after
+    # other tests) keeps that high-water mark through exec, so wait4 here would report pytest's size.
+    launcher = ("import os, subprocess, sys; p = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL); "
+                "_, status, usage = os.wait4(p.pid, 0); print(os.waitstatus_to_exitcode(status), usage.ru_maxrss)")
+    done = subprocess.run([sys.executable, "-c", launcher, sys.executable, "-m", "remote.data.prepare",
+                           "--config", str(cfg)], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True)
+    code, peak_kib = map(int, done.stdout.split())
+    assert code == 0, done.stderr[-3000:]
+    peak = peak_kib * 1024  # Linux: KiB
     assert peak < 1e9, f"peak {peak:,} bytes"
     m = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert m["counts"]["truncated"] == 1 and m["counts"]["notes"]["text_cut_before_tokenizing"] == 1

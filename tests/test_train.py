@@ -6,6 +6,7 @@ import base64
 import json
 import math
 import re
+import shutil
 import signal
 import statistics
 import time
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from remote.step import EXIT_BAD_INPUT
 from remote.train.state import cpu_bf16_matmuls
@@ -178,9 +179,14 @@ def test_warm_start_with_another_vocabulary_maps_lm_head_rows_by_token(tiny_llam
     vocab = json.loads((tiny_llama / "config.json").read_text())["vocab_size"]
     seqs, masks = random_chats(24, vocab, seed=7)  # another night's data: another top-150
     night = {**inputs, "vocab_dir": str(save_vocab(seqs, masks, vocab, 150, tmp_path / "vocab")), "max_steps": 1}
-    warm = _trainer({**night, "warm_start": str(current_draft), "out_dir": str(tmp_path / "w")}, tmp_path / "w.partial")
+    # The reference run kept lm_head frozen (the default), so its rows are a fresh draft's: move them, as a run
+    # with train_lm_head would, so that carried rows and fresh ones differ.
+    current = shutil.copytree(current_draft, tmp_path / "current")
+    w = load_file(str(current / "model.safetensors"))
+    w["lm_head.weight"] += 0.01 * torch.randn(w["lm_head.weight"].shape, generator=torch.Generator().manual_seed(3))
+    save_file(w, str(current / "model.safetensors"), metadata={"format": "pt"})
+    warm = _trainer({**night, "warm_start": str(current), "out_dir": str(tmp_path / "w")}, tmp_path / "w.partial")
     fresh = _trainer({**night, "out_dir": str(tmp_path / "f")}, tmp_path / "f.partial")
-    w = load_file(str(current_draft / "model.safetensors"))
     old_ids = (torch.arange(len(w["d2t"])) + w["d2t"]).tolist()
     new_ids = warm.vocab.draft_ids.tolist()
     shared = [i for i, t in enumerate(new_ids) if t in old_ids]
@@ -189,12 +195,12 @@ def test_warm_start_with_another_vocabulary_maps_lm_head_rows_by_token(tiny_llam
     for i, t in enumerate(new_ids):  # shared tokens: the current draft's trained row; new ones: a fresh draft's
         expected = w["lm_head.weight"][old_ids.index(t)] if t in old_ids else fresh_head[i]
         assert torch.equal(head[i], expected), f"draft row {i} (target token {t})"
-    assert not torch.equal(head[shared], fresh_head[shared])  # the carried rows are trained ones, not the start
+    assert not torch.equal(head[shared], fresh_head[shared])  # the carried rows are the draft's, not the start
     for k, v in warm.draft.trainable_state_dict().items():
         if k != "lm_head.weight":
             assert torch.equal(v, w[k]), k
     assert f"lm_head rows of {len(shared)} of {len(new_ids)} draft tokens carried over" in capsys.readouterr().out
-    same = _trainer({**inputs, "warm_start": str(current_draft), "out_dir": str(tmp_path / "s")}, tmp_path / "s.partial")
+    same = _trainer({**inputs, "warm_start": str(current), "out_dir": str(tmp_path / "s")}, tmp_path / "s.partial")
     assert all(torch.equal(v, w[k]) for k, v in same.draft.trainable_state_dict().items())  # the same vocabulary: all
 
 
