@@ -206,7 +206,7 @@ class Arm:
         """speculators' forward on the evaluate step's held-out batches, scored by remote.evaluate's chain math."""
         c, m = self.cfg, self.model
         m.eval()
-        index = CaptureIndex.build(self.capture, split="heldout")
+        index = CaptureIndex.build(self.capture, split="heldout", part="test")
         dtype = torch.bfloat16 if self.cuda else torch.float32
         norm, lm_head = self.head_pieces
         head = TargetHead.from_weights(norm, lm_head, self.vocab.t2d, self.dcfg.rms_norm_eps).to(self.device, dtype)

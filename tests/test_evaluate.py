@@ -25,6 +25,7 @@ import torch
 
 from remote.capture.store import read_shard, write_shard
 from remote.evaluate.online_measure import check_draft, heldout_prompts
+from remote.split import in_part
 from remote.step import EXIT_BAD_INPUT, BadInput
 from tests.fixtures.export import random_like
 from tests.fixtures.train_inputs import REPO, generated_capture, write_data
@@ -34,7 +35,11 @@ TEST_CACHE = Path(os.environ.get("EAGLET_TEST_CACHE", "/tmp/eaglet-test-cache"))
 K = 3  # speculative tokens
 PROMPT_LEN, NEW_TOKENS = 16, 24
 N_TRAIN, N_HELDOUT = 512, 16
-PROMPTS, BATCH = 20, N_HELDOUT  # prompts asked for (only N_HELDOUT exist), requests decoded together
+# the held-out half the evaluate step reports on (the trainer chooses on the other): 6 of s512..s527
+HELDOUT_IDS = [f"s{i}" for i in range(N_TRAIN, N_TRAIN + N_HELDOUT)]
+TEST_IDS = sorted(HELDOUT_IDS[i] for i in in_part(HELDOUT_IDS, "test")[0])
+N_TEST = len(TEST_IDS)
+PROMPTS, BATCH = 20, N_HELDOUT  # prompts asked for (only N_TEST exist), requests decoded together
 PROMOTED_AT = 1.2  # the random published draft's recorded figure: above the floors (1.1005 here)
 
 
@@ -157,7 +162,7 @@ def test_reported_acceptance_is_what_vllm_counted(evaluated):
     for arm, res in on["arms"].items():
         for mode in ("greedy", "sampled"):
             r, c = res[mode], res[mode]["counters"]
-            assert r["requests"] == N_HELDOUT and r["output_tokens"] == N_HELDOUT * NEW_TOKENS
+            assert r["requests"] == N_TEST and r["output_tokens"] == N_TEST * NEW_TOKENS
             if arm == "baseline" or c["drafts"] == 0:
                 assert arm in ("baseline", "ngram") and r["acceptance_length"] is None  # n-gram may find no match
                 continue
@@ -169,7 +174,7 @@ def test_reported_acceptance_is_what_vllm_counted(evaluated):
                 # ...and each step yields its accepted tokens plus one of the target's: the tokens the
                 # requests decoded, told by their outputs rather than the counters (the last step may overshoot)
                 made = c["drafts"] + c["accepted"]
-                assert made - N_HELDOUT * K <= r["decode_tokens"] <= made, (arm, mode, r)
+                assert made - N_TEST * K <= r["decode_tokens"] <= made, (arm, mode, r)
     f = evaluated.manifest["figures"]
     eagle = on["arms"]["eagle3"]["greedy"]
     assert f["acceptance_length"] == f["online_acceptance_length"] == eagle["acceptance_length"]
@@ -191,7 +196,8 @@ def test_trained_draft_beats_the_random_published_one_and_greedy_stays_lossless(
     # Offline, on the captures of the same held-out samples: the data is the target's own greedy text
     # (and vLLM in float32 writes it again), so replaying decoding must count what vLLM counted.
     off = evaluated.evaluation["offline"]
-    assert off["samples"] == N_HELDOUT and off["k"] == K and len(on["prompt_ids"]) == N_HELDOUT
+    assert off["samples"] == N_TEST and off["k"] == K and len(on["prompt_ids"]) == N_TEST
+    assert off["part"] == on["prompts_part"] == "test" and on["prompt_ids"] == TEST_IDS
     assert off["acceptance_length"] > random_ + 0.3
     # (vLLM's counts move by ~0.1 with how requests share batches, so not exactly)
     assert off["replayed_acceptance_length"] == pytest.approx(trained, abs=0.2), (off, trained)

@@ -1,6 +1,7 @@
 """Training data from a capture: an index of the train samples, packing plans, packed batches.
 
     index = CaptureIndex.build(CaptureSet.from_manifest(capture_dir), split="train")
+    held = CaptureIndex.build(capture, split="heldout", part="validation")  # held.part: "validation" or "heldout"
     plan = pack(index.lengths, 8192, epoch_order(len(index.refs), seed=0, epoch=0))  # [[sample indices], ...]
     plans, total_steps = plan_steps(index.lengths, train_options, micro=8, epochs=epochs_for(train_options, tokens))
     batch = index.load(plan[i], token_budget=8192)                   # a remote.draft.loss.PackedBatch
@@ -23,6 +24,7 @@ from safetensors import safe_open
 
 from remote.capture.store import SHARD_KEYS, CaptureSet, read_rows
 from remote.draft.loss import PackedBatch, flag_rows
+from remote.split import in_part
 from remote.step import BadInput, log
 
 
@@ -39,6 +41,7 @@ class CaptureIndex:
         self.refs, self.hidden_size, self.n_aux = refs, hidden_size, n_aux
         self.dtype = dtype  # the capture's: fp8 states are dequantized to it
         self.in_draft: list[torch.Tensor] | None = None
+        self.part = "train"  # what build read: a split, or a held-out half (remote.split)
 
     def set_in_draft(self, flags: list[torch.Tensor]) -> None:
         """Per sample, whether the target's top-1 at each row is in the draft vocabulary; batches carry it."""
@@ -72,7 +75,9 @@ class CaptureIndex:
         return [r.length for r in self.refs]
 
     @classmethod
-    def build(cls, capture: CaptureSet, split: str = "train") -> "CaptureIndex":
+    def build(cls, capture: CaptureSet, split: str = "train", part: str | None = None) -> "CaptureIndex":
+        """The samples of `split`; of a held-out one, only the half `part` names (remote.split.in_part: all of
+        them when that half is empty). `index.part` says which: the part, or the split."""
         refs = []
         for shard in capture.shards:
             with safe_open(shard, framework="pt") as f:
@@ -88,7 +93,12 @@ class CaptureIndex:
                     refs.append(SampleRef(shard, cu[i], cu[i + 1] - cu[i], sid))
         if not refs:
             raise BadInput(f"the capture has no {split!r} samples (shards: {list(capture.shards)})")
-        return cls(refs, capture.hidden_size, len(capture.layer_ids), getattr(torch, capture.dtype))
+        if part is not None:
+            keep, part = in_part([r.sample_id for r in refs], part)
+            refs = [refs[i] for i in keep]
+        index = cls(refs, capture.hidden_size, len(capture.layer_ids), getattr(torch, capture.dtype))
+        index.part = part or split
+        return index
 
     def load(self, sample_idxs: list[int], token_budget: int, pad_multiple: int = 1, pin: bool = False) -> PackedBatch:
         """Pack these samples (each cut to the budget) into one batch, padded to pad_multiple rows; `pin`: in

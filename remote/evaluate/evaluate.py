@@ -15,6 +15,7 @@ walks each assistant turn the way greedy decoding does (a chain starts where the
 on text the target wrote itself the replayed one is what vLLM counts. Online: remote.evaluate.online_measure
 (vLLM's own counters, the draft served with its kind's method), and with `benchmarks` the standard prompt
 sets answered by the target itself (remote.evaluate.bench_online, its engine started before the arms').
+Both read the held-out split's test half (remote.split: the trainer chose its checkpoint on the other).
 The draft is checked against the target before either starts, so a draft for another model, or a k its
 kind cannot be served with (a DFlash draft: k = block_size - 1 online, at most that offline), is a
 BadInput; so is a benchmark set whose package is missing.
@@ -68,7 +69,7 @@ def measure_offline(cfg: EvaluateConfig, steps: int) -> dict:
     aux = list(folder.draft_config().aux_layer_ids)
     if list(capture.layer_ids) != aux:
         raise BadInput(f"capture {cfg.capture_dir} holds layers {list(capture.layer_ids)}, the draft reads {aux}")
-    index = CaptureIndex.build(capture, split="heldout")
+    index = CaptureIndex.build(capture, split="heldout", part="test")  # the trainer chose on "validation"
     cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     device, dtype = torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32
     draft, head, t2d = load_draft(folder, cfg.target, device, dtype)
@@ -84,7 +85,7 @@ def measure_offline(cfg: EvaluateConfig, steps: int) -> dict:
 
     tally = chain_tally(draft, head, batches(), steps, min(cfg.num_speculative_tokens, steps))
     ids = torch.cat(loss_ids)
-    return {"steps": steps, "samples": sum(len(p) for p in plan),
+    return {"steps": steps, "samples": sum(len(p) for p in plan), "part": index.part,
             "heldout_coverage": int(t2d[ids].sum()) / len(ids) if len(ids) else None,
             **tally.summary(min(cfg.num_speculative_tokens, steps)), "seconds": time.perf_counter() - t0}
 

@@ -40,6 +40,7 @@ from pathlib import Path
 from remote.capture.layers import TargetConfig
 from remote.draft.folder import DraftFolder, read_folder
 from remote.engine.lifecycle import VllmEngine
+from remote.split import in_part
 from remote.evaluate.config import OnlineConfig
 from remote.step import BadInput, log, progress
 from remote.target import read_config, text_settings
@@ -127,8 +128,9 @@ def _recorded_target_problems(draft: DraftFolder, target: dict, target_dir: str)
 
 
 # ----------------------------------------------------------------------------- prompts
-def heldout_prompts(data: str | os.PathLike, limit: int, max_prompt_len: int) -> list[dict]:
-    """Held-out samples cut before their first assistant token, in sample_id order (stable across runs)."""
+def heldout_prompts(data: str | os.PathLike, limit: int, max_prompt_len: int) -> tuple[list[dict], str]:
+    """The held-out test half's samples cut before their first assistant token, in sample_id order (stable
+    across runs), and the part they came from: "test", or "heldout" when that half is empty (remote.split)."""
     import pyarrow.parquet as pq
 
     p = Path(data)
@@ -141,6 +143,8 @@ def heldout_prompts(data: str | os.PathLike, limit: int, max_prompt_len: int) ->
     except Exception as e:  # a foreign or truncated file, a missing column: say which file
         raise BadInput(f"data {p}: cannot read columns {cols} ({e})") from e
     rows = sorted(t.to_pylist(), key=lambda r: r["sample_id"])
+    keep, part = in_part([r["sample_id"] for r in rows], "test")
+    rows = [rows[i] for i in keep]
     out = []
     for r in rows:
         mask = r["loss_mask"]
@@ -151,8 +155,8 @@ def heldout_prompts(data: str | os.PathLike, limit: int, max_prompt_len: int) ->
             break
     if not out:
         raise BadInput(f"data {p}: no held-out sample with a prompt of 1..{max_prompt_len} tokens before an assistant "
-                       f"turn ({len(rows)} held-out rows); raise data.heldout_permille")
-    return out
+                       f"turn ({len(rows)} held-out rows in {part!r}); raise data.heldout_permille")
+    return out, part
 
 
 # ----------------------------------------------------------------------------- counters
@@ -323,7 +327,7 @@ def measure_online(cfg: OnlineConfig) -> dict:
     max_len = cfg.max_model_len or int(target.get("max_position_embeddings") or 4096)
     # Room for the longest prompt plus what is generated plus k tokens of speculation.
     max_prompt = max(1, max_len - cfg.max_tokens - cfg.num_speculative_tokens - 1)
-    prompts = heldout_prompts(cfg.data, cfg.prompts, max_prompt)
+    prompts, part = heldout_prompts(cfg.data, cfg.prompts, max_prompt)
     model_len = cfg.max_model_len or min(max_len, max(len(p["prompt_token_ids"]) for p in prompts) + cfg.max_tokens
                                          + cfg.num_speculative_tokens + 1)
     weight_bytes = TargetConfig.read(cfg.target).weight_bytes
@@ -331,7 +335,8 @@ def measure_online(cfg: OnlineConfig) -> dict:
     names = [a for a in arms(cfg) if a not in skipped]
     report: dict = {"num_speculative_tokens": cfg.num_speculative_tokens, "max_tokens": cfg.max_tokens,
                     "temperature": cfg.temperature, "max_num_seqs": cfg.max_num_seqs, "arms": {}, "order": names,
-                    "skipped": skipped, "prompt_ids": [], "kinds": kinds}
+                    "skipped": skipped, "prompt_ids": [], "kinds": kinds,
+                    "prompts_part": part}
     t_all = time.perf_counter()
     for i, arm in enumerate(names):
         engine = VllmEngine(cfg, weight_bytes, PARAM, name=f"online_eval: {arm} engine")

@@ -150,11 +150,13 @@ class Trainer(DeadlinePacing):
         self._next: tuple[int, Future] | None = None
 
     def _heldout_index(self) -> CaptureIndex | None:
-        """This host's held-out samples (None: evaluation off, or this host's capture holds none)."""
+        """This host's validation samples, the held-out half the published checkpoint is chosen on (the evaluate
+        step reports on the other; all held-out ones when this half is empty); None: evaluation off, or this
+        host's capture holds no held-out sample."""
         if not self.cfg.eval_tokens:
             return None
         try:
-            return CaptureIndex.build(self.capture, split="heldout")
+            return CaptureIndex.build(self.capture, split="heldout", part="validation")
         except BadInput:  # the train split was read from the same shards: only "no held-out samples" lands here
             return None
 
@@ -653,6 +655,7 @@ def _publish_draft(cfg: TrainConfig, out: StepOutput, trainer: Trainer, counts: 
         train={"final": True, "kind": trainer.kind.name, "weights": "model.safetensors", "draft_config": "draft_config.json",
                "loss_curve": "loss.jsonl",
                "weights_step": best["step"] if best else trainer.step, "precision": "bf16" if trainer.amp else "fp32",
+               "chosen_on": trainer.heldout.part if best and trainer.heldout else None,
                "layer_ids": list(trainer.capture.layer_ids), "target": str(trainer.target),
                "capture_dir": cfg.capture_dir, "vocab_dir": cfg.vocab_dir, "data_fingerprint": _fingerprint(cfg.capture_dir),
                **_curves(trainer.history)},
