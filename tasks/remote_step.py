@@ -37,7 +37,8 @@ PROGRESS_LOG_EVERY_S = 30.0  # a progress line in the run log this often while a
 # prefix), Python's warnings (and the source line under each), torch's C++ ones ("[W1205 06:51:52.300162048
 # utils.cpp:68] Warning: ..."), blank lines, tqdm bars (carriage returns, "NN%|"), and the lines of a traceback
 # it printed and survived.
-_VLLM_WARNING = re.compile(r"^(\([\w.-]+ pid=\d+\)\s+)?WARNING \d\d-\d\d ")
+# vLLM's own log lines, any level: the step says what matters of them in its own words ("... engine up in 11.2 s")
+_VLLM_LOG = re.compile(r"^(\([\w.-]+ pid=\d+\)\s+)?(DEBUG|INFO|WARNING) \d\d-\d\d [\d:]+ \[")
 _PY_WARNING = re.compile(r"^(\([\w.-]+ pid=\d+\)\s+)?\S+\.py:\d+: \w*Warning: ")
 _C10_WARNING = re.compile(r"^(\([\w.-]+ pid=\d+\)\s+)?\[W\d{4} [\d:.]+ (\d+ )?[\w.]+:\d+\] Warning: ")
 _TQDM = re.compile(r"\r|\d+%\|")
@@ -171,7 +172,8 @@ def run_step_in_task(host: Host, code: ShippedCode, step: str, config: dict, *, 
             events.append(payload)
     worker.join()
     if noise.count:
-        logger.info("%s: %d engine lines (warnings, tracebacks it survived, progress bars, leak reports) at debug level",
+        logger.info("%s: %d engine lines (vLLM's log, warnings, tracebacks it survived, progress bars, leak reports) "
+                    "at debug level",
                     title, noise.count)
     if "error" in outcome:
         raise outcome["error"]  # the progress card stays, at the point the step reached
@@ -185,7 +187,7 @@ def artifact_key(step: str, host_name: str) -> str:
 
 
 class EngineNoise:
-    """Tells the lines of an engine's noise (see _VLLM_WARNING, _NANOBIND) from the step's own; counts them."""
+    """Tells the lines of an engine's noise (see _VLLM_LOG, _NANOBIND) from the step's own; counts them."""
 
     def __init__(self):
         self.count, self._in_traceback, self._after_warning = 0, False, False
@@ -201,7 +203,7 @@ class EngineNoise:
             self.count += noisy
             return noisy or self.is_noise(line)
         noisy = self._in_traceback or source_line or not line.strip() or bool(
-            self._after_warning or _C10_WARNING.match(line) or _VLLM_WARNING.match(line) or _TQDM.search(line)
+            self._after_warning or _C10_WARNING.match(line) or _VLLM_LOG.match(line) or _TQDM.search(line)
             or _NANOBIND.match(line))
         self.count += noisy
         return noisy
