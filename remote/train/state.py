@@ -3,7 +3,7 @@
     dist = Distributed.from_env("auto")          # torchrun's env (RANK, WORLD_SIZE...) or one process
     ckpt = Checkpoints(stage / "checkpoints", keep=1)
     ckpt.save(step, draft, opt, history, dist, config, best_step)   # config: the run's, as a dict
-    ckpt.load_latest(draft, opt, dist, config, free=("log_every",))  # refuses another config by key
+    ckpt.load_latest(draft, opt, dist, train_config, free=("log_every",))  # refuses another config by key
     ckpt.save_best(step, draft, dist); ckpt.best_weights(step)       # the best held-out weights, kept aside
     flags = Top1Flags(ckpt.root, key); flags.read(); flags.write("w003", {sample_id: flags})  # a run in windows
     embed, lm_head, norm = load_target_head_weights(target_dir, draft_config)
@@ -15,7 +15,7 @@ import json
 import os
 import random
 import shutil
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -23,7 +23,7 @@ import torch.distributed as tdist
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from remote.step import BadInput, write_json_atomic
+from remote.step import BadInput, with_defaults, write_json_atomic
 
 
 CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo's flags of bf16 arithmetic in hardware
@@ -209,14 +209,15 @@ class Checkpoints:
                     shutil.rmtree(b, ignore_errors=True)
         dist.barrier()
 
-    def load_latest(self, draft, opt, dist: Distributed, config: dict, free: tuple[str, ...] = ()) -> dict | None:
-        """Restore the newest checkpoint; a checkpoint of another config (keys outside `free`) is refused by name."""
+    def load_latest(self, draft, opt, dist: Distributed, config, free: tuple[str, ...] = ()) -> dict | None:
+        """Restore the newest checkpoint; a checkpoint of another config (a dataclass: its keys outside `free`) is
+        refused by name; one written before an option existed was trained at that option's default."""
         found = self._all()
         if not found:
             return None
         p = found[-1]
         meta = json.loads((p / "meta.json").read_text())
-        _check_same_config(p, meta.get("config"), config, free)
+        _check_same_config(p, with_defaults(type(config), meta.get("config")), asdict(config), free)
         weights = load_file(str(p / "model.safetensors"), device=str(dist.device))
         missing, unexpected = draft.load_state_dict(weights, strict=False)
         missing = [k for k in missing if not k.startswith("embed_tokens.")]

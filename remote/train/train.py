@@ -348,8 +348,7 @@ class Trainer(DeadlinePacing):
         return tally.summary(k) if tally.tokens else None
 
     def resume(self) -> None:
-        state = self.ckpt.load_latest(self.draft, self.opt, self.dist, asdict(self.cfg),
-                                      RESUMABLE_CHANGES + WINDOW_CHANGES)
+        state = self.ckpt.load_latest(self.draft, self.opt, self.dist, self.cfg, RESUMABLE_CHANGES + WINDOW_CHANGES)
         if state is not None:
             self.step, self.history = state["step"], state["history"]
             self.evals = [r for r in self.history if "heldout" in r]
