@@ -106,7 +106,7 @@ def test_train_draft_is_a_choice_of_the_registered_kinds():
     schema = TrainDraftParams.model_json_schema()
     train = schema["$defs"][schema["properties"]["train"]["$ref"].split("/")[-1]]
     assert train["properties"]["draft"]["enum"] == list(KINDS) and train["properties"]["draft"]["default"] == "eagle3"
-    with pytest.raises(ConfigError, match="draft 'medusa': choose one of 'eagle3', 'dflash', 'eagle3_mla'"):
+    with pytest.raises(ConfigError, match="draft 'medusa': choose one of 'auto', 'eagle3', 'dflash', 'eagle3_mla'"):
         TrainConfig(capture_dir="c", vocab_dir="v", out_dir="o", draft="medusa")
     # a dflash draft is served with k = block_size - 1: the block follows the eval's k, a mismatch is refused
     assert train_options()["draft_overrides"] == {"block_size": K + 1}

@@ -10,9 +10,10 @@ from remote.draft.config import DraftConfig
 from remote.draft.eagle3 import Eagle3
 from remote.draft.folder import load_model, read_folder, read_weights, weight_names
 from remote.draft.model import EagleDraft
-from remote.draft.registry import DEFAULT, KINDS, kind, kind_of_export, kind_of_model
+from remote.draft.registry import AUTO, DEFAULT, KINDS, kind, kind_for_target, kind_of_export, kind_of_model
 from remote.step import BadInput
 from tests.fixtures.golden import export_hashes
+from tests.fixtures.kimi import tiny_kimi  # noqa: F401  (a fixture)
 
 
 def test_kinds_are_found_by_name_architecture_and_model():
@@ -59,3 +60,27 @@ def test_a_folder_without_what_the_reader_needs_is_refused_by_name(tmp_path):
         read_folder(tmp_path)
     with pytest.raises(BadInput, match=r"warm_start x: no \*.safetensors weights"):
         read_weights(tmp_path, "warm_start x")
+
+
+def test_train_draft_auto_is_the_mla_kind_for_an_mla_target(tiny_llama, tiny_kimi, tmp_path):
+    """train.draft's default "auto": eagle3 for a Llama target; eagle3_mla for an MLA one (the tiny Kimi-K2.5's
+    DeepSeek-V3 text config), with plain rotary where the target has yarn (an explicit eagle3_mla refuses it)."""
+    from remote.target import read_config
+    from remote.train.config import TrainOptions
+
+    assert TrainOptions().draft == AUTO
+    assert kind_for_target(AUTO, read_config(tiny_llama)) is kind("eagle3")
+    assert kind_for_target("dflash", read_config(tiny_kimi.vllm_dir)) is kind("dflash")  # a named kind is that kind
+    kimi = read_config(tiny_kimi.vllm_dir)
+    mla = kind_for_target(AUTO, kimi)
+    assert mla is kind("eagle3_mla") and mla.auto_overrides(kimi) == {}
+    cfg = mla.config.from_target_config(kimi, draft_vocab_size=64, aux_layer_ids=(1, 2, 3))
+    assert cfg.kv_lora_rank == kimi["text_config"]["kv_lora_rank"] and cfg.hidden_size == 256
+    yarn = {**kimi, "text_config": {**kimi["text_config"], "rope_scaling": {
+        "type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 1.0, "mscale_all_dim": 1.0}}}
+    with pytest.raises(ValueError, match=r"plain rotary for now; pass draft_overrides=\{'rope_scaling': None\}"):
+        mla.config.from_target_config(yarn, draft_vocab_size=64, aux_layer_ids=(1, 2, 3))
+    assert mla.auto_overrides(yarn) == {"rope_scaling": None}
+    cfg = mla.config.from_target_config(yarn, draft_vocab_size=64, aux_layer_ids=(1, 2, 3), **mla.auto_overrides(yarn))
+    assert cfg.rope_scaling is None

@@ -85,6 +85,23 @@ def test_config_reads_the_targets_mla_and_back(mla_target, exported):
                                        rope_scaling={"rope_type": "linear", "factor": 2.0})
 
 
+def test_a_train_run_on_an_mla_target_trains_the_mla_kind_by_default(mla_target, tmp_path, capsys):
+    """train.draft "auto" (the default) reads the target's attention: MLA here, so the run trains eagle3_mla."""
+    from safetensors import safe_open
+
+    from remote.train.train import run as train_run
+    from tests.fixtures.train_inputs import hf_capture, random_chats, save_vocab
+
+    seqs, masks = random_chats(12, 512, seed=4)
+    cap = hf_capture(mla_target, seqs, masks, tmp_path / "capture", layer_ids=LAYERS, heldout=4)
+    m = train_run({"capture_dir": str(cap), "vocab_dir": str(save_vocab(seqs, masks, 512, 300, tmp_path / "vocab")),
+                   "out_dir": str(tmp_path / "train"), "ttt_steps": 2, "eval_k": 2, "max_steps": 2,
+                   "token_budget": 96, "device": "cpu", "seed": 1})
+    assert m["train"]["kind"] == "eagle3_mla" and "train: draft auto: eagle3_mla\n" in capsys.readouterr().out
+    with safe_open(str(tmp_path / "train" / "model.safetensors"), "pt") as f:
+        assert any("kv_b_proj" in k for k in f.keys())
+
+
 def test_interleaved_rotary_rotates_pairs():
     x = torch.randn(3, 2, 8)
     ang = torch.rand(3, 4)

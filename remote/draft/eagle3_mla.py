@@ -37,6 +37,7 @@ from remote.draft.eagle3 import Eagle3, draft_config_from_export
 from remote.draft.eagle3 import vllm_config as eagle3_config
 from remote.draft.model import EagleDraft, MidLayer, RMSNorm
 from remote.step import BadInput
+from remote.target import text_settings
 
 ARCHITECTURE = "Eagle3DeepseekV3ForCausalLM"
 MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
@@ -136,6 +137,10 @@ class Eagle3MLA(Eagle3):
     export_format = "vllm-eagle3-mla"
     config = MLADraftConfig
     model = EagleMLADraft
+
+    def auto_overrides(self, target_config):
+        # Kimi-K2.5's yarn: the MLA layer trains (and vLLM then serves it) with plain rotary, as its refusal says
+        return {"rope_scaling": None} if text_settings(target_config).get("rope_scaling") else {}
 
     def engines(self, cfg):
         return ("vllm",)

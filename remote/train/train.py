@@ -55,11 +55,12 @@ from remote.capture.store import CaptureSet
 from remote.draft.data import CaptureIndex, epochs_for, plan_steps
 from remote.draft.folder import read_weights
 from remote.draft.loss import TargetHead, step_weights
-from remote.draft.registry import kind
+from remote.draft.registry import AUTO, kind_for_target
 from remote.draft.vocab import DraftVocab
 from remote.engine.devices import check_gpu_count
 from remote.evaluate.chains import chain_tally, heldout_plan
 from remote.step import BadInput, StepOutput, begin_step, emit, log, progress, step_main, write_json_atomic
+from remote.target import read_config
 from remote.train.config import TrainConfig
 from remote.train.optimizers import build_optimizer, lr_factor
 from remote.train.pacing import DeadlinePacing
@@ -552,10 +553,15 @@ def resolve_inputs(cfg: TrainConfig):
     target = Path(cfg.target or capture.target)
     if not (target / "config.json").is_file():
         raise BadInput(f"target {target}: no config.json (set target in the train config)")
-    draft_kind = kind(cfg.draft)  # train.draft: a kind of remote.draft.registry.KINDS
+    target_config = read_config(target)
+    draft_kind = kind_for_target(cfg.draft, target_config)  # train.draft: a kind of KINDS, or auto
+    overrides = cfg.draft_overrides
+    if cfg.draft == AUTO:
+        overrides = {**draft_kind.auto_overrides(target_config), **overrides}
+        log(f"train: draft auto: {draft_kind.name}" + (f" with {overrides}" if overrides else ""))
     try:
-        dcfg = draft_kind.config.from_target_dir(target, draft_vocab_size=len(vocab.d2t),
-                                                 aux_layer_ids=capture.layer_ids, **cfg.draft_overrides)
+        dcfg = draft_kind.config.from_target_config(target_config, draft_vocab_size=len(vocab.d2t),
+                                                    aux_layer_ids=capture.layer_ids, **overrides)
     except (KeyError, TypeError, ValueError) as e:
         raise BadInput(f"target {target}/config.json: {e}") from e
     if len(vocab.t2d) != dcfg.target_vocab_size:
