@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 
 from remote.capture.cache import CACHE_FILES_BYTES
 from remote.draft.data import CaptureIndex, plan_steps
+from remote.split import in_part
 from remote.step import EXIT_BAD_INPUT, load_config
 from remote.train.config import TrainOptions
 from remote.train.train import main as train_main
@@ -131,8 +132,12 @@ def test_a_budget_forcing_three_windows_keeps_the_disk_under_it_and_trains_as_ca
     assert reads == all_at_once["reads"]
     epoch0 = [sid for batch in reads[:epoch_end] for sid in batch]
     assert sorted(epoch0) == sorted(world["train_ids"])
-    # the top-1 check once a sample in the run, as capturing everything: later windows read the flags back
-    assert sorted(top1_checked(tmp_path / "checkpoints")) == sorted(world["train_ids"] | world["heldout_ids"])
+    # the top-1 check once a sample in the run, as capturing everything: later windows read the flags back (of the
+    # held-out samples, the validation half the trainer evaluates on)
+    held = sorted(world["heldout_ids"])
+    validation = {held[i] for i in in_part(held, "validation")[0]}
+    assert validation < world["heldout_ids"]
+    assert sorted(top1_checked(tmp_path / "checkpoints")) == sorted(world["train_ids"] | validation)
     out, ref = tmp_path / "train-w002", all_at_once["out"]
     assert losses(out) == pytest.approx(losses(ref), rel=1e-6, abs=1e-7)
     a, b = load_file(str(out / "model.safetensors")), load_file(str(ref / "model.safetensors"))
