@@ -45,6 +45,8 @@ _TQDM = re.compile(r"\r|\d+%\|")
 _TRACEBACK = re.compile(r"^(\([\w.-]+ pid=\d+\)\s+)?Traceback \(most recent call last\):")
 # nanobind's leak report as an interpreter with Triton loaded exits (torch imports it on a CPU host too): a
 # header line per kind ("nanobind: leaked 514 functions!"), ten " - leaked ..." lines each, and a link
+# vLLM's notice as each of its processes starts on a CPU host (printed, not logged)
+_TRITON_CPU = re.compile(r"^(\([\w.-]+ pid=\d+\)\s+)?Triton is installed, but doesn't include CPU backend")
 _NANOBIND = re.compile(r"^(nanobind: |See https://nanobind\.|\s*- (leaked |\.\.\. skipped remainder))")
 
 
@@ -204,7 +206,7 @@ class EngineNoise:
             return noisy or self.is_noise(line)
         noisy = self._in_traceback or source_line or not line.strip() or bool(
             self._after_warning or _C10_WARNING.match(line) or _VLLM_LOG.match(line) or _TQDM.search(line)
-            or _NANOBIND.match(line))
+            or _NANOBIND.match(line) or _TRITON_CPU.match(line))
         self.count += noisy
         return noisy
 

@@ -32,6 +32,7 @@ def test_engine_noise_is_told_from_the_steps_own_lines():
         "INFO 12-03 06:59:49 [core.py:1] Initializing a V1 LLM engine (v0.32.0) with config: model=...": True,
         "(MainProcess pid=4896) INFO 12-07 06:05:02 [api_utils.py:286] non-default args: {...}": True,
         "capture: vLLM engine up in 11.2 s (TP=1, float32)": False,
+        "Triton is installed, but doesn't include CPU backend. Disabling Triton.": True,
         "INFO: the step's own word": False,
         "(EngineCore_DP0 pid=123) WARNING 12-03 06:59:49 [tok.py:3] tokenizer not initialised": True,
         "Traceback (most recent call last):": True,

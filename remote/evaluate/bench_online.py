@@ -23,7 +23,7 @@ import time
 
 from remote.evaluate.benchmarks import BenchPrompt, version_of
 from remote.evaluate.config import OnlineConfig
-from remote.evaluate.online_measure import (PARAM, _prepare_process, acceptance_figures, counter_delta,
+from remote.evaluate.online_measure import (PARAM, _prepare_process, acceptance_figures, counter_delta, length_text,
                                             engine_kwargs, spec_counters)
 from remote.step import log, progress
 
@@ -96,7 +96,7 @@ def measure_sets(llm, sets: dict[str, list[BenchPrompt]], cfg: OnlineConfig, max
                 done += sum(p.category == category for p in prompts)
                 progress(done, total, what=f"benchmark prompts ({name}, {mode})")
         s = report["sets"][name] = set_report(name, prompts, groups, left_out, tokens)
-        log(f"benchmarks: {name}: acceptance length {s.get('greedy', {}).get('acceptance_length')} over "
+        log(f"benchmarks: {name}: acceptance length {length_text(s.get('greedy', {}).get('acceptance_length'))} over "
             f"{s['prompts']} prompts" + (f", {left_out} left out (longer than the context allows)" if left_out else ""))
     report["seconds"] = time.perf_counter() - t0
     return report

