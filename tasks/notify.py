@@ -32,9 +32,12 @@ class FailureReport:
     failed_step: str | None  # the first task run that failed (in a subflow too), None when no task failed
     step_message: str | None  # its state message: the error, with the remote stderr tail
     log_tail: list[str]  # the failed step's last log lines
+    url: str | None = None  # the run's page in the Prefect UI (PREFECT_UI_URL; None when unknown)
 
     def markdown(self) -> str:
         lines = [f"## eaglet run `{self.flow_run}` {self.state.lower()}", "", self.message or "", ""]
+        if self.url:
+            lines += [f"[The run in the Prefect UI]({self.url})", ""]
         if self.failed_step:
             lines += [f"**Failed step:** `{self.failed_step}`", "", "```", self.step_message or "", "```", ""]
         if self.log_tail:
@@ -46,6 +49,7 @@ def failure_report(client, flow_run) -> FailureReport:
     """What failed in this run and its subflows, read back from the Prefect API."""
     from prefect.client.schemas.filters import FlowRunFilter, LogFilter, TaskRunFilter
     from prefect.client.schemas.sorting import LogSort, TaskRunSort
+    from prefect.utilities.urls import url_for
 
     failed = client.read_task_runs(  # latest first: the last one is where the run first went wrong
         flow_run_filter=FlowRunFilter(id={"any_": _with_subflows(client, flow_run.id)}),
@@ -63,7 +67,7 @@ def failure_report(client, flow_run) -> FailureReport:
         flow_run=flow_run.name, flow_run_id=str(flow_run.id),
         state=state.name if state else "Failed", message=(state.message or "") if state else "",
         failed_step=step.name if step else None,
-        step_message=(step.state.message if step and step.state else None), log_tail=tail)
+        step_message=(step.state.message if step and step.state else None), log_tail=tail, url=url_for(flow_run))
 
 
 def _with_subflows(client, run_id, depth: int = 3) -> list:

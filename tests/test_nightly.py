@@ -352,7 +352,7 @@ def wait_for_posts(webhook, n: int = 1, timeout: float = 90) -> list[dict]:
 
 
 @pytest.mark.prefect_server
-def test_a_failed_run_is_posted_by_the_automation_with_the_step_and_log_tail(failure_automation):
+def test_a_failed_run_is_posted_by_the_automation_with_the_step_and_log_tail(failure_automation, prefect_api):
     from prefect import flow, get_run_logger, task
 
     from tasks.errors import RemoteFault
@@ -375,6 +375,8 @@ def test_a_failed_run_is_posted_by_the_automation_with_the_step_and_log_tail(fai
     text = post["text"]
     assert "**Failed step:** `capture-hidden-states" in text and "CUDA out of memory" in text
     assert "[gpu-1] capture line 29" in text and "[gpu-1] capture line 9" not in text  # the last 20 lines
+    run_id = state.state_details.flow_run_id
+    assert f"[The run in the Prefect UI]({prefect_api.ui_url}/runs/flow-run/{run_id})" in text
 
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter
