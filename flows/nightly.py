@@ -9,7 +9,8 @@ find the conversations of the data source not trained on by an earlier good nigh
 data plus tonight's (capture reuses the cached samples, so only tonight's are captured), warm
 started from the current draft or from scratch -> promote when its acceptance length is above no
 draft's and a random draft's (by nightly.floor_margin; first night too) and beats the current draft's
-by more than nightly.margin -> commit the night. A night that fails before the commit
+by more than nightly.margin (and, with nightly.max_benchmark_drop >= 0, loses no benchmark set by more
+than that) -> commit the night. A night that fails before the commit
 leaves `drafts/current` and the nightly's memory as they were.
 """
 from __future__ import annotations
@@ -117,6 +118,7 @@ def nightly_retrain(
                               train=dataclasses.replace(train, warm_start=warm), eval=eval)
         decision = promote_if_better(ctx, trained.draft_dir, trained.figures, metric=nightly.metric,
                                      margin=nightly.margin, floor_margin=nightly.floor_margin,
+                                     max_benchmark_drop=nightly.max_benchmark_drop,
                                      context={"run": run_name, "data_fingerprint": trained.data_fingerprint,
                                               "new_samples": delta.new, "warm_start": warm or None})
         commit_night(ctx, delta, promoted=decision.promoted, draft=trained.draft_dir, figures=trained.figures)

@@ -75,14 +75,21 @@ def commit_night(ctx: RunContext, delta: DataDelta, **record) -> None:
 
 
 def trend_rows(state: dict, history: list[dict]) -> list[dict]:
-    """One row a committed night: its new and total conversations, its draft's figure, whether it was promoted."""
+    """One row a committed night: its new and total conversations, its draft's figure, whether it was promoted,
+    and its acceptance length on each benchmark set a night measured (eval.benchmarks), so a night that gains on
+    the held-out split but loses on a benchmark shows."""
     decisions = {h["name"]: h for h in history}  # the last decision about a run wins (a retried promotion)
+    sets = sorted({k for night in state["nights"] for k in night.get("benchmarks", {})
+                   if k.endswith("_acceptance_length")})
     rows, total = [], 0
     for night in state["nights"]:
         total += night["new"]
         d = decisions.get(night["run"], {})
+        bench = night.get("benchmarks", {})
         rows.append({"night": night["run"], "new conversations": night["new"], "conversations trained on": total,
                      "acceptance length": None if d.get("value") is None else round(d["value"], 3),
                      "current draft before": None if d.get("current_value") is None else round(d["current_value"], 3),
+                     **{k.removeprefix("bench_").removesuffix("_acceptance_length"):
+                        None if bench.get(k) is None else round(bench[k], 3) for k in sets},
                      "promoted": {True: "yes", False: "no"}.get(d.get("promote"), "n/a")})
     return rows

@@ -69,12 +69,14 @@ def current_draft(ctx: RunContext) -> CurrentDraft | None:
 
 @step_task(name="promote-if-better")
 def promote_if_better(ctx: RunContext, draft_dir: str, figures: dict, *, metric: str, margin: float,
-                      floor_margin: float, context: dict | None = None) -> PromotionDecision:
+                      floor_margin: float, max_benchmark_drop: float = -1.0,
+                      context: dict | None = None) -> PromotionDecision:
     """Promote the run's draft when it is above the floors (no draft, a random draft: by floor_margin) and its
     metric beats the current draft's by more than margin."""
     config = asdict(PromoteConfig(out_dir=ctx.step_dir("promote"), drafts_root=drafts_root(ctx.root),
                                   candidate_dir=draft_dir, name=ctx.run_name, figures=figures, metric=metric,
-                                  margin=margin, floor_margin=floor_margin, context=context or {}))
+                                  margin=margin, floor_margin=floor_margin, max_benchmark_drop=max_benchmark_drop,
+                                  context=context or {}))
     m = ctx.run_step("promote", config, timeout=STEP_TIMEOUT_S, title="promote")
     d = m["decision"]
     decision = PromotionDecision(promoted=d["promote"], reason=d["reason"], metric=metric, value=d["value"],

@@ -173,6 +173,46 @@ def test_a_draft_not_above_no_draft_or_a_random_draft_is_never_promoted():
     assert not kept.promote and kept.held_back_by == "current draft"
 
 
+def test_a_draft_that_loses_a_benchmark_set_by_more_than_the_allowed_drop_is_kept_back():
+    """max_benchmark_drop: a better held-out figure does not promote a draft that lost a benchmark set by more."""
+    current = {"name": "a", "figures": {"acceptance_length": 2.0, "bench_gsm8k_acceptance_length": 2.4,
+                                        "bench_mt-bench_acceptance_length": 2.1}}
+    night = {"acceptance_length": 2.3, "bench_gsm8k_acceptance_length": 2.2, "bench_mt-bench_acceptance_length": 2.15}
+
+    def decide(drop, figures=night):
+        return promote.decide(figures, current, "acceptance_length", 0.05, floor_margin=0.1, draft_vocab_size=32000,
+                              max_benchmark_drop=drop)
+
+    assert decide(-1).promote  # not checked: the held-out gain decides
+    held = decide(0.1)
+    assert not held.promote and held.held_back_by == "benchmark gsm8k" and held.gain == pytest.approx(0.3)
+    assert "on the benchmark gsm8k 2.2000 is below the current draft's 2.4000 by 0.2000 (> max_benchmark_drop 0.1)" \
+        in held.reason
+    assert decide(0.25).promote  # within the allowed drop
+    assert decide(0.1, {k: v for k, v in night.items() if "gsm8k" not in k}).promote  # a set not measured: no check
+    assert not decide(0.1, {**night, "acceptance_length": 2.02}).promote  # not better on held-out: as before
+    from remote.step import load_config
+
+    with pytest.raises(promote.BadInput, match="max_benchmark_drop"):
+        load_config(promote.PromoteConfig, {"out_dir": "o", "drafts_root": "d", "candidate_dir": "c", "name": "n",
+                                            "figures": {}, "max_benchmark_drop": -2})
+
+
+def test_the_trend_has_a_column_a_benchmark_set():
+    from tasks.nightly_data import trend_rows
+
+    state = {"nights": []}
+    manifest = {"new_data": [], "counts": {"new": 5}, "seen": []}
+    state = next_state(state, manifest, "n1", figures={"acceptance_length": 2.0, "bench_gsm8k_acceptance_length": 2.41})
+    state = next_state(state, {**manifest, "counts": {"new": 3}}, "n2", figures={"acceptance_length": 2.2})
+    history = [{"name": "n1", "value": 2.0, "current_value": None, "promote": True},
+               {"name": "n2", "value": 2.2, "current_value": 2.0, "promote": True}]
+    rows = trend_rows(state, history)
+    assert [r["gsm8k"] for r in rows] == [2.41, None] and [r["conversations trained on"] for r in rows] == [5, 8]
+    assert list(rows[0]) == ["night", "new conversations", "conversations trained on", "acceptance length",
+                             "current draft before", "gsm8k", "promoted"]
+
+
 def test_promotion_switches_current_only_for_a_better_draft(tmp_path):
     drafts = tmp_path / "drafts"
     assert run_step(promote, promote_cfg(tmp_path, "r1", 1.40), tmp_path) == 0

@@ -155,5 +155,7 @@ EMPTY_STATE = {"nights": [], "seen": None}  # a nightly before its first good ni
 def next_state(state: dict, manifest: dict, run_name: str, **record) -> dict:
     """The state after a good night whose data_delta manifest is `manifest` (the controller writes it)."""
     nights = [n for n in state["nights"] if n["run"] != run_name]
-    nights.append({"run": run_name, "data": manifest["new_data"], "new": manifest["counts"]["new"]})
+    bench = {k: v for k, v in (record.get("figures") or {}).items() if k.startswith("bench_")}
+    nights.append({"run": run_name, "data": manifest["new_data"], "new": manifest["counts"]["new"],
+                   **({"benchmarks": bench} if bench else {})})  # the trend's benchmark columns
     return {**state, "nights": nights, "seen": manifest["seen"], "last_success": {"run": run_name, **record}}

@@ -148,6 +148,9 @@ class PromoteOptions(Checked):
     floor_margin: float = bounded(0.1, ge=0)
     """and only a draft whose acceptance length is above both floors by more than this: no draft's (1.0) and a
     random draft's of its vocabulary; first night or not"""
+    max_benchmark_drop: float = bounded(-1.0, ge=-1)
+    """and, when >= 0, only a draft whose acceptance length on no benchmark set (eval.benchmarks) is below the
+    current draft's recorded one by more than this; -1: the benchmark sets are not checked"""
 
 
 @dataclass(frozen=True, kw_only=True)

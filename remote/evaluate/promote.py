@@ -5,7 +5,7 @@ promoted, first night or not (`decide`, `floors`).
     python -m remote.evaluate.promote --config c.json
     # {"out_dir": "<run>/promote", "drafts_root": "<root>/drafts", "candidate_dir": "<run>/export",
     #  "name": "<run>", "figures": {"acceptance_length": 2.1, ...}, "metric": "acceptance_length",
-    #  "margin": 0.05, "floor_margin": 0.1}
+    #  "margin": 0.05, "floor_margin": 0.1, "max_benchmark_drop": -1}
 
 On the host:
 
@@ -45,7 +45,7 @@ class Decision:
     value: float  # the candidate's metric
     current_value: float | None  # the current draft's metric (None: no current draft or no record)
     gain: float | None  # value - current_value
-    held_back_by: str | None = None  # what kept it: the no-draft floor, the random-draft floor, the current draft
+    held_back_by: str | None = None  # what kept it: a floor, the current draft, a benchmark set
 
 
 NO_DRAFT = 1.0  # the mean acceptance length without a draft: each step makes the target's own one token
@@ -74,14 +74,16 @@ def figure(figures: dict, metric: str, where: str) -> float:
 
 
 def decide(figures: dict, current: dict | None, metric: str, margin: float, *, floor_margin: float,
-           draft_vocab_size: int) -> Decision:
+           draft_vocab_size: int, max_benchmark_drop: float = -1.0) -> Decision:
     """Promote a draft above both floors (`floors`: its acceptance length beats no draft and a random draft
     of its vocabulary by more than floor_margin) when there is no current draft, or when it beats the
     current one by more than margin. Below a floor it is never promoted, first night or not.
 
     The current draft's value is, first choice, `previous_<metric>` in the candidate's own figures
     (the evaluation measured the current draft on the same prompts in the same run); else the
-    figure recorded when it was promoted, if it was measured the same way (online or offline).
+    figure recorded when it was promoted, if it was measured the same way (online or offline). With
+    max_benchmark_drop >= 0, a draft that would be promoted is held back by a benchmark set it measures worse on
+    than the current draft did (its recorded bench_<set>_acceptance_length) by more than that.
     """
     against = _against_current(figures, current, metric, margin)
     acceptance = figure(figures, "acceptance_length", "the candidate's figures")
@@ -90,6 +92,21 @@ def decide(figures: dict, current: dict | None, metric: str, margin: float, *, f
             return Decision(False, f"acceptance_length {acceptance:.4f} is not above the {name} {floor:.4f} ({what}): "
                                    f"never promoted; {against.reason}", against.value, against.current_value,
                             against.gain, held_back_by=name)
+    if against.promote and current is not None and max_benchmark_drop >= 0:
+        return _against_benchmarks(figures, current.get("figures", {}), max_benchmark_drop, against)
+    return against
+
+
+def _against_benchmarks(figures: dict, recorded: dict, drop: float, against: Decision) -> Decision:
+    """The decision against the current draft, held back by the first benchmark set lost by more than `drop`."""
+    for key in sorted(k for k in figures if k.startswith("bench_") and k.endswith("_acceptance_length")):
+        now, before = figures[key], recorded.get(key)
+        if _finite(now) and _finite(before) and now < before - drop:
+            name = key.removeprefix("bench_").removesuffix("_acceptance_length")
+            return Decision(False, f"{against.reason}; but on the benchmark {name} {now:.4f} is below the current "
+                                   f"draft's {before:.4f} by {before - now:.4f} (> max_benchmark_drop {drop:g}): "
+                                   "kept the current draft", against.value, against.current_value, against.gain,
+                            held_back_by=f"benchmark {name}")
     return against
 
 
@@ -179,7 +196,7 @@ def run(raw: dict) -> dict:
                                 None, None)
         else:
             decision = decide(cfg.figures, current, cfg.metric, cfg.margin, floor_margin=cfg.floor_margin,
-                              draft_vocab_size=vocab_size)
+                              draft_vocab_size=vocab_size, max_benchmark_drop=cfg.max_benchmark_drop)
             if decision.promote:
                 record = {"name": cfg.name, "promoted_at": _now(), "metric": cfg.metric, "figures": cfg.figures,
                           "source": str(candidate.resolve()), "margin": cfg.margin, "floor_margin": cfg.floor_margin,
