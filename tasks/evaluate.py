@@ -211,6 +211,7 @@ def report_markdown(evaluation: dict, figures: dict, context: dict, previous: Cu
                        f"| {_num(r['decode_tokens_per_s'], 1)} | {_num(r.get('speedup'))} |")
         out.append("")
     out += benchmark_markdown(evaluation.get("benchmarks"))
+    out += advice_markdown(evaluation.get("advice"))
     if previous is not None:
         recorded = previous.figures.get("acceptance_length")
         now = on["arms"].get("previous", {}).get("greedy", {}).get("acceptance_length") if on else None
@@ -226,6 +227,25 @@ def report_markdown(evaluation: dict, figures: dict, context: dict, previous: Cu
     if series:
         out += ["## Acceptance per position", "", position_chart(series, POSITION_CAPTION), ""]
     return "\n".join(out)
+
+
+def advice_markdown(advice: dict | None) -> list[str]:
+    """The serving advice (remote/evaluate/advice.py): the k to serve, the expected speed-up at each k, the lines."""
+    if not advice:
+        return []
+    ks = list(advice["speedup_by_k"])
+    out = ["## Serving", "",
+           f"Serve at **k = {advice['k']}**: expected decode speed-up {_num(advice['speedup'])}x on this host at "
+           f"batch {advice['batch']}" + ("" if advice["worth_it"] else " (below 1x: on this host the target alone is "
+                                                                        "faster)")
+           + f". A draft token costs {_num(advice['draft_step_cost'], 3)} of a target step (measured at k = "
+           f"{advice['measured_at_k']}); the acceptance length at each k is the offline one, scaled to the online "
+           "figure at that k. On a GPU host a draft token costs less, so rerun the evaluation there to advise it.", "",
+           "| k | " + " | ".join(ks) + " |", "|---|" + "---|" * len(ks),
+           "| acceptance length | " + " | ".join(_num(advice["acceptance_length_by_k"][k]) for k in ks) + " |",
+           "| expected speed-up | " + " | ".join(_num(advice["speedup_by_k"][k]) for k in ks) + " |", "",
+           "```", advice["vllm"], *([advice["sglang"]] if advice.get("sglang") else []), "```", ""]
+    return out
 
 
 def position_series(evaluation: dict) -> dict[str, list[float]]:

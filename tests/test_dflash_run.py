@@ -98,14 +98,14 @@ def test_train_draft_is_a_choice_of_the_registered_kinds():
 
     from flows.params import TrainDraftParams
     from remote.config import ConfigError
-    from remote.draft.registry import KINDS
+    from remote.draft.registry import AUTO, KINDS
     from remote.train.config import TrainConfig
 
     hint = typing.get_type_hints(TrainOptions)["draft"]
-    assert typing.get_origin(hint) is typing.Literal and list(typing.get_args(hint)) == list(KINDS)
+    assert typing.get_origin(hint) is typing.Literal and list(typing.get_args(hint)) == [AUTO, *KINDS]
     schema = TrainDraftParams.model_json_schema()
     train = schema["$defs"][schema["properties"]["train"]["$ref"].split("/")[-1]]
-    assert train["properties"]["draft"]["enum"] == list(KINDS) and train["properties"]["draft"]["default"] == "eagle3"
+    assert train["properties"]["draft"]["enum"] == [AUTO, *KINDS] and train["properties"]["draft"]["default"] == AUTO
     with pytest.raises(ConfigError, match="draft 'medusa': choose one of 'auto', 'eagle3', 'dflash', 'eagle3_mla'"):
         TrainConfig(capture_dir="c", vocab_dir="v", out_dir="o", draft="medusa")
     # a dflash draft is served with k = block_size - 1: the block follows the eval's k, a mismatch is refused

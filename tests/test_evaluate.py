@@ -203,6 +203,17 @@ def test_trained_draft_beats_the_random_published_one_and_greedy_stays_lossless(
     assert off["replayed_acceptance_length"] == pytest.approx(trained, abs=0.2), (off, trained)
     speedup = evaluated.manifest["figures"]["speedup"]
     assert speedup is not None and speedup > 0 and on["arms"]["baseline"]["greedy"]["speedup"] == 1.0
+    # the serving advice: offline at k = 1..7 (a chain draft), its curve through the online figure at the served k
+    advice, f = evaluated.evaluation["advice"], evaluated.manifest["figures"]
+    assert len(off["acceptance_length_by_k"]) == 8 and off["k"] == K and list(advice["speedup_by_k"]) == list("1234567")
+    assert advice["acceptance_length_by_k"][str(K)] == pytest.approx(trained)
+    assert advice["speedup_by_k"][str(K)] == pytest.approx(on["arms"]["eagle3"]["greedy"]["speedup"])
+    assert f["advised_k"] == advice["k"] and advice["speedup"] == max(advice["speedup_by_k"].values())
+    assert f"num_speculative_tokens\": {advice['k']}" in advice["vllm"]
+    from tasks.evaluate import report_markdown
+
+    text = report_markdown(evaluated.evaluation, f, {"run": "r", "target": "t", "host": "h"}, None)
+    assert f"Serve at **k = {advice['k']}**" in text and advice["vllm"] in text
 
 
 def test_a_smollm2_draft_trains_in_bf16_where_the_cpu_does_bf16_in_hardware(world):
@@ -273,9 +284,9 @@ def test_report_and_table_artifacts_hold_the_figures(evaluated):
     assert md.index(LOSS_CAPTION) < md.index(POSITION_CAPTION)  # each with its caption
     table = asyncio.run(latest("acceptance-per-position")).data
     rows = json.loads(table) if isinstance(table, str) else table
-    assert [r["position"] for r in rows] == list(range(1, K + 1))
+    assert [r["position"] for r in rows] == list(range(1, 8))  # offline to 7 (the serving advice), online to K
     per_pos = evaluated.evaluation["online"]["arms"]["eagle3"]["greedy"]["acceptance_per_position"]
-    assert [r["this draft (eagle3), greedy"] for r in rows] == [round(x, 4) for x in per_pos]
+    assert [r["this draft (eagle3), greedy"] for r in rows] == [round(x, 4) for x in per_pos] + [None] * (7 - K)
 
 
 # ----------------------------------------------------------------------------- bad input (no engine)

@@ -340,15 +340,16 @@ def test_resume_refuses_a_checkpoint_of_another_config_by_name(one_token, tmp_pa
     with pytest.raises(BadInput, match=r"another config \(lr: checkpoint 0.003, now 0.01; optimizer: checkpoint "
                                        r"'muon', now 'adamw'\)"):
         changed.resume()
-    # a checkpoint written before the draft kinds (no "draft" key) was an eagle3 run: it resumes as one, not as a dflash
+    # a checkpoint written before an option existed (here: no "draft" key) was trained at its default: it resumes
+    # as such a run, and is still refused as another kind's
     meta = stage / "checkpoints" / "step-00000001" / "meta.json"
     m = json.loads(meta.read_text())
-    assert m["config"].pop("draft") == "eagle3"
+    assert m["config"].pop("draft") == "auto"
     meta.write_text(json.dumps(m))
     old = _trainer(cfg, stage)
     old.resume()
     assert old.step == 1
-    with pytest.raises(BadInput, match=r"another config \(draft: checkpoint 'eagle3', now 'dflash'"):
+    with pytest.raises(BadInput, match=r"another config \(draft: checkpoint 'auto', now 'dflash'"):
         _trainer({**cfg, "draft": "dflash"}, stage).resume()
 
 

@@ -82,7 +82,8 @@ class EvaluateOptions(OnlineOptions):
     online: bool = True
     """measure acceptance in vLLM on the host (not only offline)"""
     offline_steps: int = bounded(0, ge=0)
-    """chain steps measured offline (0: num_speculative_tokens); the per-position table shows them all"""
+    """chain steps measured offline (0: num_speculative_tokens, and at least 7 for a chain draft: the serving
+    advice weighs k = 1..7); the per-position table shows them all"""
     offline_max_tokens: int = bounded(262144, ge=1)
     """held-out captured tokens the offline run reads at most"""
     token_budget: int = bounded(2048, ge=16)

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from remote.draft.folder import DraftFolder, read_folder
+from remote.evaluate.advice import ADVICE_MAX_K, advice_text, advise
 from remote.evaluate.bench_online import bench_figures, measure_benchmarks
 from remote.evaluate.benchmarks import load_many
 from remote.evaluate.chains import chain_tally, heldout_plan
@@ -91,10 +92,12 @@ def measure_offline(cfg: EvaluateConfig, steps: int) -> dict:
 
 
 def offline_steps(cfg: EvaluateConfig, folder: DraftFolder) -> int:
-    """The guesses measured offline at each position (offline_steps, else k); a block drafter makes at most
-    block_size - 1 (BadInput naming the setting)."""
-    steps = cfg.offline_steps or cfg.num_speculative_tokens
+    """The guesses measured offline at each position: offline_steps, else k (and for a chain draft at least
+    ADVICE_MAX_K, which the serving advice weighs); a block drafter makes at most block_size - 1 (BadInput
+    naming the setting)."""
     block = getattr(folder.draft_config(), "block_size", None)
+    steps = cfg.offline_steps or (cfg.num_speculative_tokens if block else max(cfg.num_speculative_tokens,
+                                                                                ADVICE_MAX_K))
     if block is not None and steps > block - 1:
         name = "eval.offline_steps" if cfg.offline_steps else "eval.num_speculative_tokens"
         raise BadInput(f"{name}={steps}: the {folder.kind.name} draft {folder.path} has block_size {block}, so it "
@@ -148,6 +151,8 @@ def figures_of(result: dict) -> dict:
     if prov.get("train_figures", {}).get("final_loss") is not None:
         f["final_loss"] = prov["train_figures"]["final_loss"]
     f.update(bench_figures(result.get("benchmarks") or {}))
+    if result.get("advice"):
+        f.update(advised_k=result["advice"]["k"], advised_speedup=result["advice"]["speedup"])
     f["evaluate_seconds"] = result["seconds"]
     return f
 
@@ -179,6 +184,10 @@ def run(raw: dict) -> dict:
         result["online"] = measure_online(online_cfg)
         log(f"evaluate: online acceptance length {length_text(summary(result['online'])['acceptance_length'])} "
             f"in {result['online']['seconds']:.1f} s")
+        advice = advise(result.get("offline"), result["online"], folder.kind.method, cfg.target, cfg.draft_dir)
+        if advice is not None and not getattr(folder.draft_config(), "block_size", None):
+            result["advice"] = advice
+            log(f"evaluate: {advice_text(advice)}")
     result["seconds"] = time.perf_counter() - t0
     stage = out.open()
     write_json_atomic(stage / RESULT_FILE, result)
