@@ -37,11 +37,12 @@ class SampleRef:
 
 
 class CaptureIndex:
-    def __init__(self, refs: list[SampleRef], hidden_size: int, n_aux: int, dtype: torch.dtype = torch.float32):
+    def __init__(self, refs: list[SampleRef], hidden_size: int, n_aux: int, dtype: torch.dtype = torch.float32,
+                 part: str = "train"):
         self.refs, self.hidden_size, self.n_aux = refs, hidden_size, n_aux
         self.dtype = dtype  # the capture's: fp8 states are dequantized to it
         self.in_draft: list[torch.Tensor] | None = None
-        self.part = "train"  # what build read: a split, or a held-out half (remote.split)
+        self.part = part  # what build read: a split, or a held-out half (remote.split)
 
     def set_in_draft(self, flags: list[torch.Tensor]) -> None:
         """Per sample, whether the target's top-1 at each row is in the draft vocabulary; batches carry it."""
@@ -96,9 +97,7 @@ class CaptureIndex:
         if part is not None:
             keep, part = in_part([r.sample_id for r in refs], part)
             refs = [refs[i] for i in keep]
-        index = cls(refs, capture.hidden_size, len(capture.layer_ids), getattr(torch, capture.dtype))
-        index.part = part or split
-        return index
+        return cls(refs, capture.hidden_size, len(capture.layer_ids), getattr(torch, capture.dtype), part or split)
 
     def load(self, sample_idxs: list[int], token_budget: int, pad_multiple: int = 1, pin: bool = False) -> PackedBatch:
         """Pack these samples (each cut to the budget) into one batch, padded to pad_multiple rows; `pin`: in

@@ -184,8 +184,10 @@ def run(raw: dict) -> dict:
         result["online"] = measure_online(online_cfg)
         log(f"evaluate: online acceptance length {length_text(summary(result['online'])['acceptance_length'])} "
             f"in {result['online']['seconds']:.1f} s")
-        advice = advise(result.get("offline"), result["online"], folder.kind.method, cfg.target, cfg.draft_dir)
-        if advice is not None and not getattr(folder.draft_config(), "block_size", None):
+        chain = not getattr(folder.draft_config(), "block_size", None)  # a block drafter's k is its block's
+        advice = advise(result.get("offline"), result["online"], folder.kind.method, cfg.target, cfg.draft_dir) \
+            if chain else None
+        if advice is not None:
             result["advice"] = advice
             log(f"evaluate: {advice_text(advice)}")
     result["seconds"] = time.perf_counter() - t0

@@ -40,8 +40,8 @@ from pathlib import Path
 from remote.capture.layers import TargetConfig
 from remote.draft.folder import DraftFolder, read_folder
 from remote.engine.lifecycle import VllmEngine
-from remote.split import in_part
 from remote.evaluate.config import OnlineConfig
+from remote.split import in_part
 from remote.step import BadInput, log, progress
 from remote.target import read_config, text_settings
 
@@ -335,8 +335,7 @@ def measure_online(cfg: OnlineConfig) -> dict:
     names = [a for a in arms(cfg) if a not in skipped]
     report: dict = {"num_speculative_tokens": cfg.num_speculative_tokens, "max_tokens": cfg.max_tokens,
                     "temperature": cfg.temperature, "max_num_seqs": cfg.max_num_seqs, "arms": {}, "order": names,
-                    "skipped": skipped, "prompt_ids": [], "kinds": kinds,
-                    "prompts_part": part}
+                    "skipped": skipped, "prompt_ids": [], "kinds": kinds, "prompts_part": part}
     t_all = time.perf_counter()
     for i, arm in enumerate(names):
         engine = VllmEngine(cfg, weight_bytes, PARAM, name=f"online_eval: {arm} engine")
