@@ -30,9 +30,17 @@ def read_deployment(server, name: str):
 
 
 def test_presets_are_valid_parameters():
+    from flows.nightly import NightlyRunParams
+    from flows.presets import preset_params
+
     for path in sorted((REPO / "deployments").glob("*.json")):
-        params = TrainDraftParams.from_preset(path)
+        params = preset_params(path)
         assert params.model_dump(exclude_defaults=True), f"{path.name} sets nothing"
+    # the nightly's own preset: the demo's training with the nightly's settings (a test night on this controller)
+    nightly = preset_params(REPO / "deployments" / "nightly-local.json")
+    demo = TrainDraftParams.from_preset(REPO / "deployments" / "smollm2-local.json")
+    assert isinstance(nightly, NightlyRunParams) and nightly.nightly.name == "default"
+    assert all(getattr(nightly, s) == getattr(demo, s) for s in ("host", "target", "data", "capture", "train", "eval"))
     kimi = TrainDraftParams.from_preset(REPO / "deployments" / "kimi-k25-8gpu.json")
     assert (kimi.host.kind, kimi.capture.tensor_parallel_size, kimi.capture.backend) == ("ssh", 8, "vllm")
     assert kimi.train.nproc_per_node == 8 and kimi.host.key_secret, "8 GPUs; the key from a Secret block"
@@ -76,7 +84,7 @@ def test_deployments_are_made_from_prefect_yaml_one_per_preset(deployed, prefect
     # the pull step puts the flow-run process in the checkout the deployment was made from
     (step,) = nightly.pull_steps
     assert Path(step["prefect.deployments.steps.set_working_directory"]["directory"]) == REPO
-    assert nightly.parameters["nightly"]["margin"] == 0.05
+    assert nightly.parameters == presets["nightly-local"] and nightly.parameters["nightly"]["margin"] == 0.05
     # the UI's form: the flow's pydantic parameters, sections and fields with their descriptions
     props = read_deployment(prefect_api, TINY).parameter_openapi_schema["properties"]
     assert {"host", "target", "data", "capture", "train", "eval"} <= set(props)
