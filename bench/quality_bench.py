@@ -237,14 +237,23 @@ def run_arm(arm: dict, shared: dict, model: str, a, work: Path, t_start: float, 
             raise SystemExit(f"arm {name}: impl {impl!r} is neither eaglet nor speculators")
         rec["train"] = {**tm.get("figures", {}), **{k: v for k, v in tm.get("counts", {}).items()}}
         rec["train"].pop("history", None)
-        rec["offline_by_k"] = evaluate_at(a.k, model, own, folder, left(), rec["seconds"])
-        rec["offline"] = rec["offline_by_k"][str(a.k[0])]
+        ks = arm_ks(a.k, folder / "export")
+        rec["offline_by_k"] = evaluate_at(ks, model, own, folder, left(), rec["seconds"])
+        rec["offline"] = rec["offline_by_k"][str(ks[0])]
         if arm.get("keep"):
             rec["kept"] = keep_draft(folder / "export", model, Path(a.out) / f"draft-{name}.tar")
     except SystemExit as e:  # a failed or killed step: the other arms go on; the record says why
         rec["error"] = str(e)[-3000:]
     rec["wall_s"] = round(time.perf_counter() - t0, 1)
     return rec
+
+
+def arm_ks(ks: list[int], export: Path) -> list[int]:
+    """The k a draft is evaluated at: --k's, a block drafter's cut to its block (it guesses block_size - 1 tokens at
+    most), in --k's order without repeats."""
+    block = json.loads((export / "config.json").read_text()).get("block_size")
+    cut = [min(k, block - 1) if block else k for k in ks]
+    return list(dict.fromkeys(cut))
 
 
 def evaluate_at(ks: list[int], model: str, own: dict, folder: Path, limit: float | None, seconds: dict) -> dict:
@@ -257,7 +266,8 @@ def evaluate_at(ks: list[int], model: str, own: dict, folder: Path, limit: float
             "target": model, "draft_dir": str(folder / "export"), "data": own["data"],
             "capture_dir": own["capture_dir"], "out_dir": str(work / "evaluate"), "num_speculative_tokens": k,
             "online": False}, work, limit)
-        return k, s, em["figures"]
+        ev = json.loads((work / "evaluate" / "evaluation.json").read_text())
+        return k, s, {**em["figures"], "by_k": ev.get("offline", {}).get("acceptance_length_by_k")}
 
     out = {}
     with ThreadPoolExecutor(len(ks)) as pool:
@@ -266,7 +276,9 @@ def evaluate_at(ks: list[int], model: str, own: dict, folder: Path, limit: float
             out[str(k)] = {"k": k, "acceptance_length": f.get("offline_acceptance_length"),
                            "replayed": f.get("offline_replayed_acceptance_length"),
                            "conditional_accuracy": f.get("offline_conditional_accuracy"),
-                           "heldout_coverage": f.get("heldout_coverage")}
+                           "heldout_coverage": f.get("heldout_coverage"),
+                           # a chain draft's expected acceptance length at every k its offline run made (1..7)
+                           "acceptance_length_by_k": f.get("by_k")}
     return out
 
 
@@ -371,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="folder of quality.json and the kept drafts")
     ap.add_argument("--prepared", required=True, help="a prepare step's data.parquet (every sample)")
     ap.add_argument("--subset-rows", type=int, default=0, help="the first N samples are the 'subset' data (0: all)")
-    ap.add_argument("--arms", default="budget", help=f"a preset of {ARMS_FILE.name} or a JSON file of arms")
+    ap.add_argument("--arms", help=f"a preset of {ARMS_FILE.name} or a JSON file of arms (default: budget; with "
+                                   "--smoke, smoke)")
     ap.add_argument("--only", nargs="*", default=[], help="run only these arms of the preset")
     ap.add_argument("--gguf", default="", help="the SmolLM2 GGUF file (converted once into WORK/model)")
     ap.add_argument("--model-dir", default="", help="the target as an HF folder (instead of --gguf)")
@@ -403,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         print(unpack(a.unpack[0], a.model_dir, Path(a.unpack[1])))
         return 0
     if a.check:
-        check_arms(arms_of(a.arms))
+        check_arms(arms_of(a.arms or "budget"))
         return 0
     t_start = time.perf_counter()
     work, out = Path(a.work), Path(a.out)
@@ -412,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     a.cache_root = a.cache_root or str(work / "cache")
     if a.smoke:
         a.subset_rows, a.draft_vocab_size, a.capture_tokens = 24, 1024, 4096
-    arms = [x for x in arms_of("smoke" if a.smoke else a.arms) if not a.only or x["name"] in a.only]
+    arms = [x for x in arms_of(a.arms or ("smoke" if a.smoke else "budget")) if not a.only or x["name"] in a.only]
     if a.budget_s:
         arms = [{**x, "budget_seconds": a.budget_s} if "budget_seconds" in x else x for x in arms]
     check_arms(arms)
