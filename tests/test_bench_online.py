@@ -215,3 +215,10 @@ def test_the_evaluate_step_measures_the_sets_before_the_arms(smollm2, tmp_path):
         assert g["counters"]["drafts"] > 0 and len(g["acceptance_per_position"]) == K
         assert f[f"bench_{name}_acceptance_length"] == g["acceptance_length"]
     assert ev["online"]["order"] == ["eagle3"] and len(ev["online"]["prompt_ids"]) == 2
+    # the draft card beside the export: a row a set, as the report's table
+    from remote.evaluate.card import MARK
+
+    measured = (tmp_path / "draft" / "export" / "README.md").read_text().split(MARK)[1]
+    for name, s in bench["sets"].items():
+        assert f"| {name} | 2 | {s['greedy']['acceptance_length']:.2f} |" in measured, measured
+    assert "### mt-bench by category and turn" in measured

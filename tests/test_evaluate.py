@@ -216,6 +216,28 @@ def test_trained_draft_beats_the_random_published_one_and_greedy_stays_lossless(
     assert f"Serve at **k = {advice['k']}**" in text and advice["vllm"] in text
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_the_draft_card_beside_the_export_holds_what_was_measured(evaluated, world):
+    """README.md in the exported folder: the export's card, then the evaluation's part (the kind, the target, the
+    budget, the held-out figures, the advised serving line); the export's manifest still checks out, deeply."""
+    from remote.evaluate.card import MARK
+    from remote.step import read_manifest, verify_outputs
+
+    card = (world.draft / "README.md").read_text()
+    made, measured = card.split(MARK)  # one measured part
+    assert made.startswith("# export: an EAGLE-3 draft") and "## Serving" in made
+    ev, f = evaluated.evaluation, evaluated.manifest["figures"]
+    assert "| kind | eagle3 (vLLM method `eagle3`) |" in measured
+    assert f"`{world.target}`: no revision label" in measured  # a capture folder written by hand: no cache key
+    train_m = read_manifest(world.dir / "train")
+    assert f"{train_m['counts']['tokens']:,} tokens seen, {train_m['counts']['steps']} steps" in measured
+    assert f"online {f['online_acceptance_length']:.2f} at k = {K}" in measured
+    assert f"offline {ev['offline']['acceptance_length']:.2f} at k = {K}" in measured
+    assert f"Serve at **k = {ev['advice']['k']}**" in measured and ev["advice"]["vllm"] in measured
+    assert verify_outputs(world.draft, read_manifest(world.draft), deep=True) == []
+
+
 def test_a_smollm2_draft_trains_in_bf16_where_the_cpu_does_bf16_in_hardware(world):
     from remote.train.state import cpu_bf16_matmuls
 

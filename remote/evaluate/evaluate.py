@@ -21,7 +21,8 @@ kind cannot be served with (a DFlash draft: k = block_size - 1 online, at most t
 BadInput; so is a benchmark set whose package is missing.
 
 Writes out_dir/evaluation.json: offline and online results, the training loss curve and the
-draft's provenance (vocabulary coverage, data fingerprint); the manifest's figures are the flat
+draft's provenance (vocabulary coverage, data fingerprint), and what it measured into the exported folder's
+card (README.md: remote.evaluate.card, for a folder eaglet's export step made); the manifest's figures are the flat
 summary a flow returns and a promotion compares (`acceptance_length`: online when measured,
 else the replayed offline one; `bench_<set>_acceptance_length` for each benchmark set).
 """
@@ -35,6 +36,7 @@ import torch
 from remote.draft.folder import DraftFolder, read_folder
 from remote.evaluate.advice import ADVICE_MAX_K, advice_text, advise
 from remote.evaluate.bench_online import bench_figures, measure_benchmarks
+from remote.evaluate.card import measured_markdown, write_card
 from remote.evaluate.benchmarks import load_many
 from remote.evaluate.chains import chain_tally, heldout_plan
 from remote.evaluate.config import EvaluateConfig
@@ -123,6 +125,7 @@ def provenance(cfg: EvaluateConfig, folder: DraftFolder) -> dict:
         t = train_m.get("train", {})
         out["data_fingerprint"] = t.get("data_fingerprint")
         out["train_figures"] = train_m.get("figures", {})
+        out["train_counts"] = train_m.get("counts", {})
         out["loss_curve"] = t.get("loss_points", [])  # thinned by the train step
         out["heldout_curve"] = t.get("heldout_points", [])
     return out
@@ -194,6 +197,10 @@ def run(raw: dict) -> dict:
     stage = out.open()
     write_json_atomic(stage / RESULT_FILE, result)
     figures = figures_of(result)
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "the CPU (vLLM's CPU build)"
+    card = measured_markdown(result, figures, device, read_manifest(cfg.capture_dir) if cfg.capture_dir else None)
+    if write_card(cfg.draft_dir, card):
+        log(f"evaluate: the draft card {cfg.draft_dir}/README.md holds what was measured")
     return out.publish(counts={"offline_samples": result.get("offline", {}).get("samples", 0),
                                "online_prompts": len(result.get("online", {}).get("prompt_ids", [])),
                                "benchmark_prompts": sum(s["prompts"] for s in
