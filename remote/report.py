@@ -16,8 +16,9 @@ def pct(x) -> str:
 
 
 def benchmark_tables(bench: dict | None) -> list[str]:
-    """Each benchmark set's acceptance (greedy, at the temperature, per position), then each category's where a set
-    has several (MT-Bench's eight) and each turn's where it has several; [] without benchmarks."""
+    """Each benchmark set's acceptance (greedy, at the temperature when one was set, per position), then each
+    category's where a set has several (MT-Bench's eight) and each turn's where it has several; [] without
+    benchmarks."""
     if not bench or not bench.get("sets"):
         return []
     t = bench["temperature"]
@@ -25,11 +26,13 @@ def benchmark_tables(bench: dict | None) -> list[str]:
     def row(label: str, f: dict, extra: str = "") -> str:
         g, smp = f.get("greedy", {}), f.get("sampled", {})
         per = ", ".join(pct(a) for a in g.get("acceptance_per_position", [])) or "-"
-        return f"| {label} |{extra} {num(g.get('acceptance_length'))} | {num(smp.get('acceptance_length'))} | {per} |"
+        sampled = f" {num(smp.get('acceptance_length'))} |" if t else ""
+        return f"| {label} |{extra} {num(g.get('acceptance_length'))} |{sampled} {per} |"
 
-    head = f"| acceptance length (greedy) | at temperature {t:g} | per position (greedy) |"
+    head = "| acceptance length (greedy) |" + (f" at temperature {t:g} |" if t else "") + " per position (greedy) |"
+    rule = "---|" * (head.count("|") - 1)  # a column a heading of head's
     out = [f"## Benchmarks (vLLM, the target answering each prompt itself, k = {bench['num_speculative_tokens']}, "
-           f"at most {bench['max_tokens']} tokens an answer)", "", "| set | prompts " + head, "|---|---|---|---|---|"]
+           f"at most {bench['max_tokens']} tokens an answer)", "", "| set | prompts " + head, "|---|---|" + rule]
     for name, s in bench["sets"].items():
         left = f" ({s['left_out']} too long)" if s.get("left_out") else ""
         out.append(row(name, s, f" {s['prompts']}{left} |"))
@@ -39,7 +42,7 @@ def benchmark_tables(bench: dict | None) -> list[str]:
         parts += [(f"turn {n}", f) for n, f in s.get("turns", {}).items()]
         if parts:
             out += [f"### {name} by category" + (" and turn" if s.get("turns") else ""), "", "| part " + head,
-                    "|---|---|---|---|"] + [row(label, f) for label, f in parts] + [""]
+                    "|---|" + rule] + [row(label, f) for label, f in parts] + [""]
     return out
 
 
