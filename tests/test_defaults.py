@@ -84,3 +84,5 @@ def test_an_eval_k_past_the_ttt_steps_is_refused_by_name():
     with pytest.raises(BadInput, match=r"eval_k=5 > ttt_steps=3"):
         load_config(TrainConfig, {**paths, "ttt_steps": 3, "eval_k": 5})
     assert load_config(TrainConfig, {**paths, "ttt_steps": 3, "eval_k": 3}).eval_k == 3
+    # unset, it is the trained chain: a run that sets only ttt_steps (the docs' `-p train='{"ttt_steps": 2}'`) runs
+    assert load_config(TrainConfig, {**paths, "ttt_steps": 2}).eval_k == 0

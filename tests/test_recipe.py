@@ -117,7 +117,7 @@ def test_schedules_warm_up_then_fall_to_the_floor():
                                           ({"schedule": "step"}, "schedule 'step': choose one of 'linear', 'cosine'"),
                                           ({"warmup": 1.0}, "warmup: expected a number >= 0 and < 1, got 1.0"),
                                           ({"patience": -1}, "patience: expected an integer >= 0, got -1"),
-                                          ({"eval_k": 0}, "eval_k: expected an integer >= 1, got 0")])
+                                          ({"eval_k": -1}, "eval_k: expected an integer >= 0, got -1")])
 def test_bad_recipe_settings_are_refused_by_name(bad, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         _cfg(**bad)

@@ -104,8 +104,9 @@ class TrainOptions(Checked):
     """optimizer steps between held-out acceptance measurements (and one at the end); 0: 20 over the run"""
     eval_tokens: int = bounded(65536, ge=0)
     """held-out tokens a measurement reads at most (all processes together); 0: no measurement"""
-    eval_k: int = bounded(3, ge=1)
-    """speculative tokens of the held-out acceptance length (at most ttt_steps: a larger one is refused)"""
+    eval_k: int = bounded(0, ge=0)
+    """speculative tokens of the held-out acceptance length (at most ttt_steps: a larger one is refused); 0: ttt_steps,
+    the chain the draft is trained to make"""
     patience: int = bounded(5, ge=0)
     """stop after this many held-out measurements without a better one; 0: never early"""
     # -- checkpoints, processes, devices
@@ -136,7 +137,7 @@ class TrainOptions(Checked):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.eval_k > self.ttt_steps:
+        if self.eval_k and self.eval_k > self.ttt_steps:
             raise ConfigError(f"eval_k={self.eval_k} > ttt_steps={self.ttt_steps}: the held-out acceptance length is "
                               "measured over the trained TTT steps; set eval_k <= ttt_steps")
 

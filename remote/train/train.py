@@ -338,7 +338,7 @@ class Trainer(DeadlinePacing):
         host's samples, split over its ranks and summed; None when no host holds any."""
         cfg, dist = self.cfg, self.dist
         self.evaluated = True
-        k = cfg.eval_k  # at most ttt_steps (TrainOptions refuses more)
+        k = cfg.eval_k or cfg.ttt_steps  # at most ttt_steps (TrainOptions refuses more)
         plan = [] if self.heldout is None else heldout_plan(self.heldout, cfg.token_budget,
                                                             max(1, cfg.eval_tokens // cfg.nnodes))
         batches = (self.heldout.load(p, cfg.token_budget, self.pad).to(dist.device, self.dtype)
