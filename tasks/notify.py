@@ -20,7 +20,7 @@ LOG_TAIL = 20  # log lines of the failed step in the report (the remote lines ca
 EVENT = "eaglet.run.failed"
 AUTOMATION = "eaglet: a run failed"
 BLOCK = "custom-webhook/eaglet-failures"  # <block type slug>/<block name>: prefect.yaml's default
-_told_missing: set[str] = set()  # blocks already said to be missing: `prefect deploy --all` asks once a deployment
+_said: set[str] = set()  # what declare_failure_automation printed: `prefect deploy --all` runs it once a deployment
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,8 @@ def notify_failure(flow, flow_run, state) -> None:
 
 def declare_failure_automation(block: str = BLOCK) -> dict:
     """A `prefect deploy` build step: the automation `eaglet: a run failed` -> the notification block
-    `block` ("<type slug>/<name>"), created or updated. Without the block it says so and makes nothing."""
+    `block` ("<type slug>/<name>"), created or updated. Without the block it says so and makes nothing. Each line
+    is printed once a process: `prefect deploy --all` runs the build steps once a deployment."""
     from datetime import timedelta
 
     from prefect.automations import Automation
@@ -129,9 +130,7 @@ def declare_failure_automation(block: str = BLOCK) -> dict:
     try:
         target = Block.load(block)
     except (ValueError, ObjectNotFound):
-        if block not in _told_missing:
-            print(f"no notification block {block}: failed runs are reported in the UI only (docs/DEPLOYING.md)")
-            _told_missing.add(block)
+        _say(f"no notification block {block}: failed runs are reported in the UI only (docs/DEPLOYING.md)")
         return {"automation": ""}
     automation = Automation(
         name=AUTOMATION, description="post the failure report of every failed eaglet run to " + block,
@@ -145,5 +144,11 @@ def declare_failure_automation(block: str = BLOCK) -> dict:
         automation.update()
     except ValueError:  # none by that name yet
         automation.create()
-    print(f"automation {AUTOMATION!r} -> {block}")
+    _say(f"automation {AUTOMATION!r} -> {block}")
     return {"automation": str(automation.id)}
+
+
+def _say(line: str) -> None:
+    if line not in _said:
+        print(line)
+        _said.add(line)
