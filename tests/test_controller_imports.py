@@ -116,17 +116,14 @@ def test_a_module_that_imports_a_heavy_package_is_refused_by_name():
     assert r.returncode != 0 and "refused: the controller venv has no" in r.stderr, r.stderr[-2000:]
 
 
-@pytest.mark.parametrize("where, bad_key", [("preset", "learning_rat"), ("prefect.yaml", "margn")])
+@pytest.mark.parametrize("where, bad_key", [("tiny-local", "learning_rat"), ("nightly-local", "margn")])
 def test_a_deployment_with_a_bad_key_fails_the_load_naming_it(tmp_path, where, bad_key):
-    """A misspelt key in a preset file (read by the build step) or in prefect.yaml's own parameters (the nightly's)."""
+    """A misspelt key in a preset file (read by the build step): a training flow's, or the nightly's own section."""
     yaml_text = (ROOT / "prefect.yaml").read_text()
     shutil.copytree(ROOT / "deployments", tmp_path / "deployments")
-    if where == "preset":
-        preset = tmp_path / "deployments" / "tiny-local.json"
-        preset.write_text(json.dumps({**json.loads(preset.read_text()), "train": {bad_key: 0.001}}))
-    else:
-        assert yaml_text.count("margin: 0.05") == 1
-        yaml_text = yaml_text.replace("margin: 0.05", f"{bad_key}: 0.05")
+    preset = tmp_path / "deployments" / f"{where}.json"
+    section = "train" if where == "tiny-local" else "nightly"
+    preset.write_text(json.dumps({**json.loads(preset.read_text()), section: {bad_key: 0.001}}))
     (tmp_path / "prefect.yaml").write_text(yaml_text)
     r = run_child("controller", tmp_path)
     assert r.returncode != 0 and bad_key in r.stderr, r.stderr[-2000:]
