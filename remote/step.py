@@ -84,10 +84,15 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     """Write JSON to a temporary name, fsync, rename: readers see the old file or the whole new one."""
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True, default=str))
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write text to a temporary name, fsync, rename: readers see the old file or the whole new one."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True, default=str)
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -104,12 +109,7 @@ def replace_published_file(out_dir: str | os.PathLike, rel: str, text: str) -> N
     if manifest is None:
         raise BadInput(f"{folder}: not a finished step folder (no {MANIFEST})")
     path = folder / rel
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_text_atomic(path, text)
     manifest["files"][rel] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
     write_json_atomic(folder / MANIFEST, manifest)
 

@@ -1,6 +1,7 @@
 """The draft card's measured part: what the evaluate step measured, written into the exported folder's README.md.
 
-    write_card("/runs/r1/export", result, figures)     # README.md: the export's card + "## Measured ..."
+    write_card("/runs/r1/export", measured_markdown(result, figures, "NVIDIA H100", capture_manifest))
+    # README.md: the export's card, then "## Measured ..."
 
 The export step writes the card (remote/draft/<kind>.py: target, data fingerprint, training, how to serve it);
 the evaluate step appends what it measured below MARK, as published drafts carry it: the kind, the target and its

@@ -36,8 +36,8 @@ import torch
 from remote.draft.folder import DraftFolder, read_folder
 from remote.evaluate.advice import ADVICE_MAX_K, advice_text, advise
 from remote.evaluate.bench_online import bench_figures, measure_benchmarks
-from remote.evaluate.card import measured_markdown, write_card
 from remote.evaluate.benchmarks import load_many
+from remote.evaluate.card import measured_markdown, write_card
 from remote.evaluate.chains import chain_tally, heldout_plan
 from remote.evaluate.config import EvaluateConfig
 from remote.evaluate.online_measure import check_draft, length_text, measure_online, summary
