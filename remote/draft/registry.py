@@ -34,6 +34,7 @@ KINDS = {
     "eagle3": "remote.draft.eagle3:Eagle3",
     "dflash": "remote.draft.dflash:DFlash",
     "eagle3_mla": "remote.draft.eagle3_mla:Eagle3MLA",
+    "dspark": "remote.draft.dspark:DSpark",
 }
 DEFAULT = "eagle3"  # the kind a train folder without a recorded kind holds
 AUTO = "auto"  # train.draft's default: the EAGLE-3 kind whose layer is the target's attention (kind_for_target)

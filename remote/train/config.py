@@ -39,12 +39,13 @@ class TrainOptions(Checked):
     ablation in bench/results/defaults-ablation-h100-20261207.json at k = 3 and k = 5; tests/test_defaults.py)."""
 
     # -- the draft and its objective
-    draft: Literal["auto", "eagle3", "dflash", "eagle3_mla"] = "auto"
+    draft: Literal["auto", "eagle3", "dflash", "eagle3_mla", "dspark"] = "auto"
     """the draft's kind (remote/draft/registry.py's KINDS; docs/TRAINING.md, "Choosing the draft"): auto, eagle3_mla
     for a target with MLA attention (DeepSeek-V3, Kimi-K2.5), else eagle3; eagle3, one Llama layer proposing a
     chain (vLLM method eagle3); dflash, block drafting (method dflash), its block_size (train.draft_overrides)
     served with eval.num_speculative_tokens = block_size - 1; eagle3_mla, the EAGLE-3 draft with a DeepSeek MLA
-    layer (method eagle3, vLLM only)"""
+    layer (method eagle3, vLLM only); dspark, DFlash's block with every slot drafted and a Markov head (method
+    dspark, vLLM's GPU runner only), served with num_speculative_tokens = block_size"""
     ttt_steps: int = bounded(3, ge=1)
     """training-time-test steps unrolled (dflash: the drafted slots of a block trained, at most block_size - 1)"""
     step_decay: float = bounded(1.0, gt=0)
