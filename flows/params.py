@@ -23,7 +23,7 @@ from remote.config import bounded
 from remote.data.config import DataOptions as DataParams
 from remote.engine.config import HOST_GPUS, gpu_count
 from remote.evaluate.config import EvaluateOptions as EvalParams
-from remote.train.config import TrainOptions, VocabOptions
+from remote.train.config import BLOCK_FIRST_SLOT, TrainOptions, VocabOptions
 from tasks.host import HostParams
 from tasks.multihost import DEFAULT_RDZV_PORT
 
@@ -89,26 +89,30 @@ class TrainDraftParams(_Params):
 
     @model_validator(mode="after")
     def _block_from_eval_k(self) -> "TrainDraftParams":
-        """A block drafter (train.draft "dflash") is served with num_speculative_tokens = block_size - 1 (its block
-        is part of the model): train.draft_overrides.block_size, when not stated, is eval.num_speculative_tokens + 1;
-        a stated one that differs, or ttt_steps past the block's drafted slots, is refused by name."""
+        """A block drafter (train.draft "dflash" or "dspark") is served with the tokens its block drafts (its block is
+        part of the model: num_speculative_tokens = block_size - first slot, DFlash's 1, DSpark's 0):
+        train.draft_overrides.block_size, when not stated, is eval.num_speculative_tokens + that slot; a stated one
+        that differs, or ttt_steps past the block's drafted slots, is refused by name."""
         t, k = self.train, self.eval.num_speculative_tokens
-        if t.draft != "dflash":
+        if t.draft not in BLOCK_FIRST_SLOT:
             return self
+        first = BLOCK_FIRST_SLOT[t.draft]
         block = t.draft_overrides.get("block_size")
+        rule = f"block_size - {first}" if first else "block_size"
         if block is None:
-            given, block = "train" in self.model_fields_set, k + 1
+            given, block = "train" in self.model_fields_set, k + first
             self.train = replace(t, draft_overrides={**t.draft_overrides, "block_size": block})
             if not given:  # derived, not given: a preset's dump (flows.presets) keeps only its own sections
                 self.model_fields_set.discard("train")
-        elif block != k + 1:
-            raise ValueError(f"train.draft_overrides.block_size={block} with eval.num_speculative_tokens={k}: a dflash "
-                             f"draft is served with num_speculative_tokens = block_size - 1; set "
-                             f"eval.num_speculative_tokens={block - 1}, or leave block_size out (then it is k + 1)")
-        if t.ttt_steps > block - 1:
-            raise ValueError(f"train.ttt_steps={t.ttt_steps}: a dflash draft of block_size {block} (eval."
-                             f"num_speculative_tokens {k} + 1) drafts {block - 1} tokens a block; set train.ttt_steps "
-                             f"<= {block - 1}, or eval.num_speculative_tokens={t.ttt_steps} (block {t.ttt_steps + 1})")
+        elif block != k + first:
+            raise ValueError(f"train.draft_overrides.block_size={block} with eval.num_speculative_tokens={k}: a "
+                             f"{t.draft} draft is served with num_speculative_tokens = {rule}; set "
+                             f"eval.num_speculative_tokens={block - first}, or leave block_size out (then it is "
+                             f"k{f' + {first}' if first else ''})")
+        if t.ttt_steps > block - first:
+            raise ValueError(f"train.ttt_steps={t.ttt_steps}: a {t.draft} draft of block_size {block} drafts "
+                             f"{block - first} tokens a block (eval.num_speculative_tokens {k}); set train.ttt_steps "
+                             f"<= {block - first}, or eval.num_speculative_tokens={t.ttt_steps}")
         return self
 
     @classmethod

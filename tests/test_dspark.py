@@ -210,6 +210,27 @@ def test_every_slot_drafts_and_the_config_refuses_what_dspark_is_not():
         DSparkConfig(**DTINY, norm_before_fc=True)
 
 
+def test_the_block_is_served_with_every_slot_it_drafts(exported):
+    """A DSpark draft of block B is served (and evaluated offline) with k = B, DFlash's with B - 1; the flow's
+    block follows the eval's k by the same rule, which the controller reads torch-free from BLOCK_FIRST_SLOT."""
+    from flows.params import TrainDraftParams
+    from remote.draft.registry import KINDS, DraftKind
+    from remote.evaluate.online_measure import served_k
+    from remote.step import BadInput
+    from remote.train.config import BLOCK_FIRST_SLOT
+
+    blocks = [n for n in KINDS if type(kind(n)).drafted_tokens is not DraftKind.drafted_tokens]
+    assert BLOCK_FIRST_SLOT == {n: kind(n).model.first_slot for n in blocks}
+    folder = read_folder(exported)
+    assert served_k(folder, BLOCK) == BLOCK
+    with pytest.raises(BadInput, match=rf"served with num_speculative_tokens {BLOCK} .*block_size={BLOCK - 1}\b"):
+        served_k(folder, BLOCK - 1)
+    params = TrainDraftParams.model_validate({"train": {"draft": "dspark"}, "eval": {"num_speculative_tokens": 5}})
+    assert params.train.draft_overrides == {"block_size": 5}
+    with pytest.raises(ValueError, match="a dspark draft is served with num_speculative_tokens = block_size;"):
+        TrainDraftParams.model_validate({"train": {"draft": "dspark", "draft_overrides": {"block_size": 4}}})
+
+
 # ----------------------------------------------------------------------------- the vLLM side
 def _record(target: str, draft: str, path: str) -> None:
     """vLLM's reading of the export, its loaded weights and its Markov drafting on fixed inputs, saved to path."""

@@ -195,6 +195,9 @@ class DFlash(DraftKind):
     name = "dflash"
     architecture = ARCHITECTURE
     method = "dflash"
+
+    def drafted_tokens(self, cfg):
+        return cfg.block_size - self.model.first_slot
     export_format = "vllm-dflash"
     config = DFlashConfig
     model = DFlashDraft

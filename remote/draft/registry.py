@@ -66,6 +66,11 @@ class DraftKind:
         """[T, steps] draft ids: at row t, the guesses for tokens t+2..t+1+steps (teacher-forced on the batch)."""
         raise NotImplementedError
 
+    def drafted_tokens(self, cfg: Any) -> int | None:
+        """The tokens a draft of this config proposes a step, the num_speculative_tokens it is served with: a block
+        drafter's block is part of the model; None for a chain drafter (any k)."""
+        return None
+
     def auto_overrides(self, target_config: dict) -> dict:
         """draft_overrides this kind takes when train.draft "auto" chose it (the user's own still win)."""
         return {}

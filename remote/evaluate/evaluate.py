@@ -17,7 +17,7 @@ on text the target wrote itself the replayed one is what vLLM counts. Online: re
 sets answered by the target itself (remote.evaluate.bench_online, its engine started before the arms').
 Both read the held-out split's test half (remote.split: the trainer chose its checkpoint on the other).
 The draft is checked against the target before either starts, so a draft for another model, or a k its
-kind cannot be served with (a DFlash draft: k = block_size - 1 online, at most that offline), is a
+kind cannot be served with (a block drafter: the k its block drafts online, at most that offline), is a
 BadInput; so is a benchmark set whose package is missing.
 
 Writes out_dir/evaluation.json: offline and online results, the training loss curve and the
@@ -95,15 +95,16 @@ def measure_offline(cfg: EvaluateConfig, steps: int) -> dict:
 
 def offline_steps(cfg: EvaluateConfig, folder: DraftFolder) -> int:
     """The guesses measured offline at each position: offline_steps, else k (and for a chain draft at least
-    ADVICE_MAX_K, which the serving advice weighs); a block drafter makes at most block_size - 1 (BadInput
-    naming the setting)."""
-    block = getattr(folder.draft_config(), "block_size", None)
-    steps = cfg.offline_steps or (cfg.num_speculative_tokens if block else max(cfg.num_speculative_tokens,
-                                                                                ADVICE_MAX_K))
-    if block is not None and steps > block - 1:
+    ADVICE_MAX_K, which the serving advice weighs); a block drafter makes at most the tokens its block drafts
+    (BadInput naming the setting)."""
+    dcfg = folder.draft_config()
+    most = folder.kind.drafted_tokens(dcfg)
+    steps = cfg.offline_steps or (cfg.num_speculative_tokens if most else max(cfg.num_speculative_tokens,
+                                                                               ADVICE_MAX_K))
+    if most is not None and steps > most:
         name = "eval.offline_steps" if cfg.offline_steps else "eval.num_speculative_tokens"
-        raise BadInput(f"{name}={steps}: the {folder.kind.name} draft {folder.path} has block_size {block}, so it "
-                       f"guesses at most {block - 1} tokens at a position; set {name} <= {block - 1}")
+        raise BadInput(f"{name}={steps}: the {folder.kind.name} draft {folder.path} has block_size {dcfg.block_size}, "
+                       f"so it guesses at most {most} tokens at a position; set {name} <= {most}")
     return steps
 
 
@@ -187,7 +188,7 @@ def run(raw: dict) -> dict:
         result["online"] = measure_online(online_cfg)
         log(f"evaluate: online acceptance length {length_text(summary(result['online'])['acceptance_length'])} "
             f"in {result['online']['seconds']:.1f} s")
-        chain = not getattr(folder.draft_config(), "block_size", None)  # a block drafter's k is its block's
+        chain = folder.kind.drafted_tokens(folder.draft_config()) is None  # a block drafter's k is its block's
         advice = advise(result.get("offline"), result["online"], folder.kind.method, cfg.target, cfg.draft_dir) \
             if chain else None
         if advice is not None:

@@ -27,8 +27,8 @@ per-request timestamps), so prefill is left out. A previous draft that does not 
 
 The draft folder is checked against the target before any engine starts (check_draft, reading it
 through remote.draft.folder): an architecture no kind has, a wrong vocabulary, hidden size, layer ids or
-target, or a k the draft cannot be served with (a DFlash draft's block is part of the model: k =
-block_size - 1) is a BadInput naming the mismatch.
+target, or a k the draft cannot be served with (a block drafter's block is part of the model: DFlash k =
+block_size - 1, DSpark k = block_size) is a BadInput naming the mismatch.
 """
 from __future__ import annotations
 
@@ -83,14 +83,16 @@ def check_draft(draft_dir: str | os.PathLike, target_dir: str | os.PathLike, k: 
 
 def served_k(draft: DraftFolder, k: int) -> int:
     """k, when the draft can be served with k speculative tokens as it was trained; else BadInput naming the k it
-    takes. A block drafter (DFlash: its config has a block_size) attends to its whole block, so the block's length
-    is part of the model: vLLM runs a block of 1 + k, and only k = block_size - 1 is the trained one."""
-    block = getattr(draft.draft_config(), "block_size", None)
-    if block is not None and k != block - 1:
+    takes. A block drafter (DFlash, DSpark) attends to its whole block, so the block's length is part of the model
+    and only the k its block drafts (DFlash: block_size - 1, DSpark: block_size) is the trained one."""
+    dcfg = draft.draft_config()
+    most = draft.kind.drafted_tokens(dcfg)
+    if most is not None and k != most:
+        block = dcfg.block_size
         raise BadInput(f"eval.num_speculative_tokens={k}: the {draft.kind.name} draft {draft.path} has block_size "
-                       f"{block} and is served with num_speculative_tokens {block - 1} (block_size - 1: the block's "
-                       f"length is part of the model); set eval.num_speculative_tokens={block - 1}, or train with "
-                       f"train.draft_overrides.block_size={k + 1}")
+                       f"{block} and is served with num_speculative_tokens {most} (the block's length is part of "
+                       f"the model); set eval.num_speculative_tokens={most}, or train with "
+                       f"train.draft_overrides.block_size={block - most + k}")
     return k
 
 

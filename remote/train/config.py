@@ -7,6 +7,10 @@ from typing import Literal
 
 from remote.config import Checked, ConfigError, bounded
 
+# The block drafters among train.draft's kinds, each with its model's first drafted slot (first_slot; a test checks
+# they agree): served with num_speculative_tokens = block_size - first_slot. Torch-free, for the controller.
+BLOCK_FIRST_SLOT = {"dflash": 1, "dspark": 0}
+
 
 @dataclass(frozen=True, kw_only=True)
 class VocabOptions(Checked):
