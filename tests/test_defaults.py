@@ -86,3 +86,37 @@ def test_an_eval_k_past_the_ttt_steps_is_refused_by_name():
     assert load_config(TrainConfig, {**paths, "ttt_steps": 3, "eval_k": 3}).eval_k == 3
     # unset, it is the trained chain: a run that sets only ttt_steps (the docs' `-p train='{"ttt_steps": 2}'`) runs
     assert load_config(TrainConfig, {**paths, "ttt_steps": 2}).eval_k == 0
+
+
+# ----------------------------------------------------------------------------- the draft kind auto picks
+KINDS_RESULTS = sorted((Path(__file__).resolve().parents[1] / "bench" / "results").glob("quality-*-kinds-*.json"))
+
+
+def _kind_scores(k: int) -> dict[str, float]:
+    """{kind: the best replayed acceptance length at k of its arms} in the latest kinds run (bench/quality_bench.py
+    --arms kinds: every kind on one capture at equal tokens), a block drafter at the k its block takes."""
+    assert KINDS_RESULTS, "bench/results/quality-*-kinds-*.json: the kinds run auto's choice comes from"
+    runs = json.loads(KINDS_RESULTS[-1].read_text())["runs"]
+    best: dict[str, float] = {}
+    for arm in (a for run in runs for a in run["arms"] if "error" not in a):
+        by_k = arm["offline_by_k"]
+        got = by_k.get(str(k)) or by_k[max(by_k, key=int)]
+        kind = arm["arm"]["train"]["draft"]
+        best[kind] = max(best.get(kind, 0.0), got["replayed"])
+    return best
+
+
+@pytest.mark.parametrize("k", [3, 5, 7])
+def test_auto_picks_the_kind_that_measured_best_for_the_targets_attention(k):
+    """A GQA target (the run's SmolLM2) gets the best of the other kinds: the MLA layer, which measured above the
+    Llama layer there, is auto's only where the target's attention is MLA (an MLA draft beside a GQA target is not
+    served by any engine eaglet tests); an MLA target gets it, and the measurement backs that choice."""
+    from remote.draft.registry import kind_for_target
+
+    scores = _kind_scores(k)
+    llama = {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+    mla = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "kv_lora_rank": 512}
+    served_beside_gqa = {n: s for n, s in scores.items() if n != "eagle3_mla"}
+    assert kind_for_target("auto", llama).name == max(served_beside_gqa, key=served_beside_gqa.get)
+    assert kind_for_target("auto", mla).name == "eagle3_mla"
+    assert scores["eagle3_mla"] > scores["eagle3"]
