@@ -39,8 +39,9 @@ every arm; the same code paths, compiled ones on a GPU):
 
 An arm (bench/quality_arms.json holds the presets; `--arms FILE` takes a JSON list) is a dict:
 impl "eaglet" runs `python -m remote.train.train --config` with its `train` dict as TrainConfig keys,
-then remote.train.export (its `export` dict as ExportConfig keys); impl "speculators" runs bench.speculators_arm (speculators' own draft,
-loss and optimiser on the same packed capture, converted to eaglet's export). Both then go through
+then remote.train.export (its `export` dict as ExportConfig keys); impl "speculators" runs bench.speculators_arm (speculators' own draft of
+the `train` dict's kind, eagle3 or dflash, with its loss and optimiser on the same packed capture, converted to eaglet's
+export). Both then go through
 the same remote.evaluate step, offline, at each `--k` (default 3; `--k 3 5`: two evaluations of the one draft,
 the first k the headline `offline`, every k under `offline_by_k`): acceptance length, the replayed one and the
 conditional accuracies p1..pk on the held-out split. An arm with "storage": "fp8" trains and is
@@ -363,15 +364,16 @@ def arms_of(spec: str) -> list[dict]:
 
 def check_arms(arms: list[dict]) -> None:
     """Every arm's settings against the config it becomes (unknown keys, bad values), before anything runs."""
-    from bench.speculators_arm import SpeculatorsArmConfig
+    from bench.speculators_arm import config_class
     from remote.step import BadInput, load_config
     from remote.train.config import ExportConfig, TrainConfig
 
     paths = {"capture_dir": "c", "vocab_dir": "v", "out_dir": "o"}
     for arm in arms:
         try:
-            cls = {"eaglet": TrainConfig, "speculators": SpeculatorsArmConfig}[arm["impl"]]
-            load_config(cls, {**paths, "max_steps": 1, **arm.get("train", {})}, where=f"arm {arm['name']} train")
+            train = arm.get("train", {})
+            cls = config_class(train) if arm["impl"] == "speculators" else {"eaglet": TrainConfig}[arm["impl"]]
+            load_config(cls, {**paths, "max_steps": 1, **train}, where=f"arm {arm['name']} train")
             load_config(ExportConfig, {"train_dir": "t", "vocab_dir": "v", "out_dir": "o", **arm.get("export", {})},
                         where=f"arm {arm['name']} export")
         except (KeyError, BadInput) as e:

@@ -1,32 +1,53 @@
-"""The speculators 0.9.0 arm of bench/quality_bench.py: its draft, loss and optimiser on eaglet's capture.
+"""The speculators 0.9.0 arms of bench/quality_bench.py: its drafts, losses and optimiser on eaglet's capture.
 
     python -m bench.speculators_arm --config c.json
     # {"capture_dir": "<capture step>", "vocab_dir": "<vocab step>", "target": "<model>", "out_dir": "<arm>/export",
-    #  "epochs": 1}
+    #  "epochs": 1}                                                  (kind "eagle3", the default)
+    # {..., "kind": "dflash", "block_size": 8, "num_layers": 1}     (speculators' DFlash)
 
-Trains speculators' own Eagle3DraftModel (bench.train_bench.speculators_draft: its eagle3 defaults
-norm_before_fc, norm_before_residual, norm_output; embedding and lm_head frozen from the target's
-rows of the draft vocabulary) with its trainer's defaults (speculators/train/config/schema.py):
-Muon for the matrices and AdamW for the rest through its own `build_optimizers`, lr 1e-3 both,
-weight decay 0.1 / 0.01, a linear schedule with 1% warmup, 8,192 tokens a step, TTT 3 with every
-step weighted 1.0, forward KL (its fused kernel), gradient clip 1.0, bf16 autocast over fp32 weights.
+Both kinds train with speculators' trainer defaults (speculators/train/config/schema.py): Muon for the
+matrices and AdamW for the rest through its own `build_optimizers`, lr 1e-3 both, weight decay 0.1 / 0.01,
+a linear schedule with 1% warmup, 8,192 tokens a step, gradient clip 1.0, bf16 autocast over fp32 weights;
+embedding and lm_head frozen from the target's rows of the draft vocabulary (what its load_verifier_weights
+loads).
 
-The data is eaglet's: the same capture, draft vocabulary and packing plan (remote.draft.data.pack:
-the same samples in the same order per seed and epoch), each sample shifted the way speculators'
-own pipeline does (speculators/models/eagle3/data.py: token t+1 beside the state of token t, so a
-sample of n tokens trains n - 1 rows).
+kind "eagle3" (SpeculatorsArmConfig): its own Eagle3DraftModel (bench.train_bench.speculators_draft: its
+eagle3 defaults norm_before_fc, norm_before_residual, norm_output), TTT 3 with every step weighted 1.0,
+forward KL (its fused kernel). Each sample is shifted the way its own pipeline does
+(speculators/models/eagle3/data.py: token t+1 beside the state of token t, so n tokens train n - 1 rows).
 
-The trained draft is written as eaglet's export (remote.draft.folder's files, remote.draft.eagle3's config.json,
-the norm flags set), so remote.evaluate measures it exactly as it measures eaglet's. The manifest
-also holds `own_forward`: speculators' own forward on the held-out split, its guesses scored by
-remote.evaluate.chains' chain math (score_chains, the same batches as the evaluate step): equal figures
-prove the conversion. Nothing here is speculators' code copied: it is imported.
+kind "dflash" (SpeculatorsDFlashConfig): its own DFlashDraftModel (speculators.models.dflash) at its dflash
+defaults but the block size and layer count the arm sets (its own are 16 and 5): cross-entropy to the
+target's top-1 weighted per slot by D-PACE (alpha 0.5), 512 random anchors a step (its select_anchors),
+unshifted samples (its pipeline shifts no DFlash batch), padded as its collate pads (document -1). Its
+architecture is vLLM's DFlash and eaglet's (remote/draft/dflash.py) name for name: fc + hidden_norm over
+the aux states, Qwen3 layers whose k_proj/v_proj also project that context, the block [anchor, mask x
+B-1] at positions pos[a]..pos[a]+B-1 seeing its sample's rows before the anchor and all of itself, slot j
+predicting token a + j. One setting differs by default: speculators' CLI makes every DFlash layer a
+sliding-window layer (window 2048; --full-attention-indices empty), and for dflash a sliding layer is
+causal inside the block (sliding_window_non_causal false), where vLLM's `dflash_config.causal: false`
+and eaglet attend the block both ways. The arm builds its layers as full-attention ones (what
+--full-attention-indices 0..n-1 gives: always bidirectional, no window), the variant that matches, so
+the conversion is weight-exact (tests/test_quality_bench.py). Its mask token is eaglet's dflash default
+(the target's last id; speculators' CLI would take the tokenizer's), so both arms embed the same one.
+
+The data is eaglet's for both: the same capture, draft vocabulary and packing plan (remote.draft.data.pack:
+the same samples in the same order per seed and epoch). The trained draft is written as eaglet's export
+of its kind (remote.draft.folder's files; remote.draft.eagle3's config.json with the norm flags set, or
+remote.draft.dflash's), so remote.evaluate measures it exactly as it measures eaglet's. The manifest also
+holds `own_forward`: speculators' own forward on the held-out split, its guesses scored by
+remote.evaluate.chains' chain math (score_chains, the same batches as the evaluate step); equal figures
+prove the conversion. A DFlash draft's own_forward runs on the export's rounded (bf16) weights at every k
+of its block (`by_k`; the headline at k = block_size - 1), so it equals the evaluator's figure at each
+--k. Nothing here is speculators' code copied: it is imported.
 """
 from __future__ import annotations
 
 import json
 import math
+import sys
 import time
+import types
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -37,8 +58,10 @@ from bench.train_bench import speculators_draft
 from remote.capture.store import CaptureSet
 from remote.draft.config import DraftConfig
 from remote.draft.data import CaptureIndex, epoch_order, pack
+from remote.draft.dflash import DFlash, DFlashConfig, dflash_layer_ids
+from remote.draft.dflash import vllm_config as dflash_vllm_config
 from remote.draft.eagle3 import vllm_config
-from remote.draft.folder import DTYPES, write_folder
+from remote.draft.folder import DTYPES, export_tensors, weight_names, write_folder
 from remote.draft.loss import PackedBatch, TargetHead
 from remote.draft.vocab import DraftVocab
 from remote.evaluate.acceptance import ChainCounts
@@ -51,10 +74,13 @@ NORM_FLAGS = ("norm_before_fc", "norm_before_residual", "norm_output")
 
 
 @dataclass(frozen=True, kw_only=True)
-class SpeculatorsArmConfig:
+class ArmBase:
+    """What both kinds share: the data, speculators' optimiser and schedule, the held-out scoring."""
+
     capture_dir: str  # a finished capture step (eaglet's)
     vocab_dir: str  # a finished vocab step (eaglet's draft vocabulary)
     out_dir: str  # the converted draft, an eaglet export folder
+    kind: str = "eagle3"  # the draft: "eagle3" (SpeculatorsArmConfig) or "dflash" (SpeculatorsDFlashConfig)
     target: str = ""  # the target's folder ("": the capture's)
     epochs: float = 1.0  # passes over the train split (fractions allowed)
     max_steps: int = 0  # optimizer steps; 0: as many as the epochs give
@@ -67,10 +93,6 @@ class SpeculatorsArmConfig:
     muon_ns_steps: int = 5
     muon_adjust_lr_fn: str = "match_rms_adamw"
     warmup_ratio: float = 0.01  # linear warmup share of the steps, then linear decay to 0
-    ttt_steps: int = 3
-    ttt_step_loss_decay: float = 1.0
-    loss: str = "kl_div"
-    norms: bool = True  # its eagle3 norms (norm_before_fc, norm_before_residual, norm_output)
     grad_clip: float = 1.0
     seed: int = 0  # the packing order (eaglet's) and the draft's initialisation
     device: str = "auto"
@@ -78,9 +100,72 @@ class SpeculatorsArmConfig:
     eval_max_tokens: int = 262144
     log_every: int = 50
 
+    def __post_init__(self):
+        own = type(self).__dataclass_fields__["kind"].default
+        if self.kind != own:
+            raise ValueError(f"kind {self.kind!r} given to {type(self).__name__} (kind {own!r}); "
+                             f"pick the class with config_class")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpeculatorsArmConfig(ArmBase):
+    """speculators' EAGLE-3 draft."""
+
+    ttt_steps: int = 3
+    ttt_step_loss_decay: float = 1.0
+    loss: str = "kl_div"
+    norms: bool = True  # its eagle3 norms (norm_before_fc, norm_before_residual, norm_output)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpeculatorsDFlashConfig(ArmBase):
+    """speculators' DFlash draft; its dflash defaults but block_size and num_layers (16 and 5 there)."""
+
+    kind: str = "dflash"
+    block_size: int = 8  # B: the anchor and B - 1 drafted tokens (speculators' dflash default: 16)
+    num_layers: int = 1  # draft decoder layers (speculators' dflash default: 5)
+    loss: str = "ce"  # its loss_fn for dflash
+    per_position_loss_weight: str = "dpace"  # its dflash default ("fixed-exp-decay": exp(-(j-1)/gamma))
+    dpace_alpha: float = 0.5
+    dflash_decay_gamma: float = 4.0  # fixed-exp-decay's gamma
+    max_anchors: int = 512  # blocks a step (its max_anchors)
+    mask_token_id: int = -1  # -1: eaglet's dflash default, the target's last id
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.block_size < 2 or self.num_layers < 1:
+            raise ValueError(f"block_size {self.block_size}, num_layers {self.num_layers}: need >= 2 and >= 1")
+        if self.per_position_loss_weight == "dpace" and self.loss != "ce":
+            raise ValueError(f"per_position_loss_weight dpace needs loss 'ce' (speculators refuses {self.loss!r})")
+
+
+CONFIGS = {"eagle3": SpeculatorsArmConfig, "dflash": SpeculatorsDFlashConfig}
+
+
+def config_class(raw: dict) -> type[ArmBase]:
+    """The config class of an arm's raw settings, by their `kind`."""
+    kind = raw.get("kind", "eagle3")
+    if kind not in CONFIGS:
+        raise BadInput(f"kind {kind!r}: speculators arms are {sorted(CONFIGS)}")
+    return CONFIGS[kind]
+
+
+def import_speculators(cuda: bool) -> None:
+    """speculators' models import its training data module (datasets, openai, hs_connectors) for one type
+    name; stand in a module holding it (as bench.train_bench.speculators_draft does). On a GPU, give its
+    fused loss's backward kernel its own autotune list (torch 2.11 / triton 3.6: the shared one fails; issue 5)."""
+    if "speculators.train.data" not in sys.modules:
+        stub = types.ModuleType("speculators.train.data")
+        stub.BatchType = dict
+        sys.modules["speculators.train.data"] = stub
+    if cuda:
+        import speculators.losses.fused as fused
+
+        fused.loss_backward_kernel.configs = list(fused._tile_configs())
+
 
 def shifted(b: PackedBatch, length: int = 0) -> dict:
-    """speculators' inputs from an eaglet packed batch: per sample, token t+1 beside the state of t.
+    """speculators' EAGLE-3 inputs from an eaglet packed batch: per sample, token t+1 beside the state of t.
 
     Every sample loses its first row (ids, final state, mask, position) and its last aux row, as
     speculators' shift_batch does per sample. Padded to `length` rows (own document, no loss) when
@@ -105,8 +190,25 @@ def shifted(b: PackedBatch, length: int = 0) -> dict:
     return {**{k: v[None] for k, v in x.items()}, "rows": rows}
 
 
+def padded(b: PackedBatch, length: int) -> dict:
+    """speculators' DFlash inputs from an eaglet packed batch: unshifted, padded to `length` rows as its collate
+    pads (zeros, no loss, document -1: a row no block sees)."""
+    x = {"input_ids": b.input_ids, "hidden_states": b.aux, "verifier_last_hidden_states": b.last,
+         "loss_mask": b.loss_mask, "position_ids": b.positions, "document_ids": b.doc_ids}
+    pad = max(0, length - len(b.input_ids))
+    out = {}
+    for k, v in x.items():
+        fill = v.new_full((pad, *v.shape[1:]), -1 if k == "document_ids" else 0)
+        out[k] = torch.cat([v, fill])[None]
+    return out
+
+
+# ----------------------------------------------------------------------------- the arms
 class Arm:
-    def __init__(self, cfg: SpeculatorsArmConfig):
+    """speculators' EAGLE-3 draft on eaglet's capture; DFlashArm overrides the kind's parts (build, inputs,
+    loss, export, guesses)."""
+
+    def __init__(self, cfg: ArmBase):
         self.cfg = cfg
         want = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         self.device = torch.device(want)
@@ -114,14 +216,9 @@ class Arm:
         self.capture = CaptureSet.from_manifest(cfg.capture_dir)
         self.vocab = DraftVocab.load(cfg.vocab_dir)
         self.target = Path(cfg.target or self.capture.target)
-        self.dcfg = DraftConfig.from_target_dir(self.target, draft_vocab_size=len(self.vocab.d2t),
-                                                aux_layer_ids=self.capture.layer_ids)
-        if cfg.norms and not all(f in DraftConfig.__dataclass_fields__ for f in NORM_FLAGS):
-            raise BadInput(f"eaglet's DraftConfig has no {NORM_FLAGS}: its evaluator could not run speculators' "
-                           "normed draft (set norms false, or merge the draft's norm options)")
+        self.dcfg = self.draft_config()
         torch.manual_seed(cfg.seed)
-        self.model = speculators_draft(self.dcfg, cfg.ttt_steps, cfg.norms,
-                                       "simple_flex_attention" if self.cuda else "eager")
+        self.model = self.build("simple_flex_attention" if self.cuda else "eager")
         embed, lm_head, norm = load_target_head_weights(self.target, self.dcfg)
         rows = lm_head[self.vocab.draft_ids].float()
         m = self.model
@@ -136,6 +233,81 @@ class Arm:
             p.requires_grad_(False)
         m.to(self.device)
         self.head_pieces = (norm, lm_head)
+
+    # --- the kind's parts
+    def draft_config(self) -> DraftConfig:
+        if self.cfg.norms and not all(f in DraftConfig.__dataclass_fields__ for f in NORM_FLAGS):
+            raise BadInput(f"eaglet's DraftConfig has no {NORM_FLAGS}: its evaluator could not run speculators' "
+                           "normed draft (set norms false, or merge the draft's norm options)")
+        return DraftConfig.from_target_dir(self.target, draft_vocab_size=len(self.vocab.d2t),
+                                           aux_layer_ids=self.capture.layer_ids)
+
+    def build(self, attn: str) -> torch.nn.Module:
+        return speculators_draft(self.dcfg, self.cfg.ttt_steps, self.cfg.norms, attn)
+
+    def inputs(self, b: PackedBatch, length: int) -> dict:
+        x = shifted(b, length)
+        x.pop("rows")
+        return x
+
+    def loss(self, x: dict, loss_config) -> tuple[torch.Tensor, dict]:
+        c = self.cfg
+        _, loss, metrics = self.model(**x, ttt_steps=c.ttt_steps, ttt_step_loss_decay=c.ttt_step_loss_decay,
+                                      loss_config=loss_config)
+        return loss, metrics
+
+    def progress(self, metrics: dict) -> dict:
+        """A logged step's accuracies (TTT step k's)."""
+        return {"acc": [round(float(metrics[f"full_acc_{k}_sum"] / metrics[f"full_acc_{k}_total"].clamp(min=1)), 6)
+                        for k in range(self.cfg.ttt_steps)]}
+
+    def trained_rows(self, x: dict, b: PackedBatch, batch: list[int]) -> int:
+        """The step's trained rows: a sample of n tokens trains n - 1."""
+        return b.n_tokens - len(batch)
+
+    def export(self, stage: Path) -> None:
+        """The trained draft as eaglet's export folder: `layers.0.` is eaglet's `midlayer.`, the rest keeps its name."""
+        sd = self.model.state_dict()
+        keep = ("fc.weight", "norm.weight", "lm_head.weight") + (("input_norm.weight",) if self.cfg.norms else ())
+        w = {k: sd[k] for k in keep}
+        w.update({"midlayer." + k[len("layers.0."):]: v for k, v in sd.items() if k.startswith("layers.0.")})
+        flags = {f: True for f in NORM_FLAGS} if self.cfg.norms else {}
+        d = DraftConfig(**{**self.dcfg.to_dict(), **flags})
+        write_folder(stage, vllm_config(d, "bfloat16"), self.tensors(w))
+
+    def export_record(self) -> dict:
+        return {"format": "vllm-eagle3", "layer_ids": list(self.dcfg.aux_layer_ids)}
+
+    def scorings(self) -> list[tuple[int, int]]:
+        """(k, guesses scored) of own_forward: the evaluate step's default k 3 over every TTT step's guesses."""
+        return [(min(3, self.cfg.ttt_steps), self.cfg.ttt_steps)]
+
+    def for_scoring(self) -> torch.dtype:
+        """Ready the model for own_forward; the dtype of its inputs."""
+        return torch.bfloat16 if self.cuda else torch.float32
+
+    def guesses(self, b: PackedBatch) -> torch.Tensor:
+        """[T, steps] draft ids of speculators' own forward, in eaglet's rows (row t guesses token t+2+j)."""
+        c, m = self.cfg, self.model
+        x = shifted(b, c.eval_token_budget if self.cuda else 0)  # one shape: a shifted batch is always shorter
+        rows = x.pop("rows")
+        for key in ("loss_mask", "verifier_last_hidden_states"):
+            x.pop(key)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cuda):
+            tokens = m(**x, ttt_steps=c.ttt_steps)
+        # speculators' row of (token p, state p-1) is eaglet's row of position p-1; a sample's last row
+        # has no counterpart (nothing after it is known) and never matches
+        g = torch.full((len(b.input_ids), c.ttt_steps), -2, dtype=torch.long, device=self.device)
+        g[rows - 1] = torch.stack([t[0, :len(rows)] for t in tokens], 1)
+        return g
+
+    # --- shared
+    def tensors(self, w: dict) -> dict:
+        """The export's tensors: the draft's weights in bf16, eaglet's vocabulary maps."""
+        tensors = {k: v.detach().to("cpu", DTYPES["bfloat16"]).contiguous() for k, v in w.items()}
+        tensors["d2t"] = self.vocab.d2t.to(torch.int64).contiguous()
+        tensors["t2d"] = self.vocab.t2d.to(torch.bool).contiguous()
+        return tensors
 
     def plan(self, index: CaptureIndex) -> list[list[int]]:
         c = self.cfg
@@ -162,11 +334,9 @@ class Arm:
         m.train()
         for step, batch in enumerate(batches, 1):
             b = index.load(batch, c.token_budget)
-            x = shifted(b.to(self.device, dtype), c.token_budget if self.cuda else 0)
-            x.pop("rows")
+            x = self.inputs(b.to(self.device, dtype), c.token_budget if self.cuda else 0)
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cuda):
-                _, loss, metrics = m(**x, ttt_steps=c.ttt_steps, ttt_step_loss_decay=c.ttt_step_loss_decay,
-                                     loss_config=loss_config)
+                loss, metrics = self.loss(x, loss_config)
             loss.backward()
             gnorm = torch.nn.utils.clip_grad_norm_(m.parameters(), c.grad_clip)
             for o in opts:
@@ -175,77 +345,201 @@ class Arm:
             for s in scheds:
                 s.step()
             tokens += b.n_tokens
-            rows_trained += b.n_tokens - len(batch)
+            rows_trained += self.trained_rows(x, b, batch)
             if step % c.log_every == 0 or step == len(batches):
-                acc = [float(metrics[f"full_acc_{k}_sum"] / metrics[f"full_acc_{k}_total"].clamp(min=1))
-                       for k in range(c.ttt_steps)]
-                history.append({"step": step, "loss": float(loss.detach()), "acc": [round(a, 6) for a in acc],
+                history.append({"step": step, "loss": float(loss.detach()), **self.progress(metrics),
                                 "grad_norm": float(gnorm), "lr": opts[0].param_groups[0]["lr"], "tokens": tokens,
                                 "seconds": time.perf_counter() - t0})
-                log(f"speculators: step {step}/{len(batches)} loss {history[-1]['loss']:.4f} acc {history[-1]['acc']}")
+                log(f"speculators {c.kind}: step {step}/{len(batches)} loss {history[-1]['loss']:.4f} "
+                    f"acc {history[-1]['acc']}")
         seconds = time.perf_counter() - t0
         return {"steps": len(batches), "tokens": tokens, "rows": rows_trained, "train_seconds": seconds,
                 "tokens_per_s": tokens / seconds if seconds else 0.0, "final_loss": history[-1]["loss"],
                 "final_acc": history[-1]["acc"], "history": history}
 
-    def export(self, stage: Path) -> None:
-        """The trained draft as eaglet's export folder: `layers.0.` is eaglet's `midlayer.`, the rest keeps its name."""
-        sd = self.model.state_dict()
-        keep = ("fc.weight", "norm.weight", "lm_head.weight") + (("input_norm.weight",) if self.cfg.norms else ())
-        w = {k: sd[k] for k in keep}
-        w.update({"midlayer." + k[len("layers.0."):]: v for k, v in sd.items() if k.startswith("layers.0.")})
-        tensors = {k: v.detach().to("cpu", DTYPES["bfloat16"]).contiguous() for k, v in w.items()}
-        tensors["d2t"] = self.vocab.d2t.to(torch.int64).contiguous()
-        tensors["t2d"] = self.vocab.t2d.to(torch.bool).contiguous()
-        flags = {f: True for f in NORM_FLAGS} if self.cfg.norms else {}
-        d = DraftConfig(**{**self.dcfg.to_dict(), **flags})
-        write_folder(stage, vllm_config(d, "bfloat16"), tensors)
-
     @torch.no_grad()
     def own_forward(self) -> dict:
         """speculators' forward on the evaluate step's held-out batches, scored by remote.evaluate's chain math."""
-        c, m = self.cfg, self.model
-        m.eval()
+        c = self.cfg
+        self.model.eval()
+        dtype = self.for_scoring()
         index = CaptureIndex.build(self.capture, split="heldout", part="test")
-        dtype = torch.bfloat16 if self.cuda else torch.float32
         norm, lm_head = self.head_pieces
         head = TargetHead.from_weights(norm, lm_head, self.vocab.t2d, self.dcfg.rms_norm_eps).to(self.device, dtype)
-        counts, drafts, accepted = ChainCounts.zeros(c.ttt_steps), 0, 0
-        k = min(3, c.ttt_steps)
+        scored = {k: [ChainCounts.zeros(n), 0, 0] for k, n in self.scorings()}
         for batch in heldout_plan(index, c.eval_token_budget, c.eval_max_tokens):  # the evaluate step's batches
             b = index.load(batch, c.eval_token_budget).to(self.device, dtype)
-            x = shifted(b, c.eval_token_budget if self.cuda else 0)  # one shape: a shifted batch is always shorter
-            rows = x.pop("rows")
-            for key in ("loss_mask", "verifier_last_hidden_states"):
-                x.pop(key)
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cuda):
-                tokens = m(**x, ttt_steps=c.ttt_steps)
-            # speculators' row of (token p, state p-1) is eaglet's row of position p-1; a sample's last row
-            # has no counterpart (nothing after it is known) and never matches
-            g = torch.full((len(b.input_ids), c.ttt_steps), -2, dtype=torch.long, device=self.device)
-            g[rows - 1] = torch.stack([t[0, :len(rows)] for t in tokens], 1)
-            cc, d, a = score_chains(g, head, b, k)
-            counts, drafts, accepted = counts + cc, drafts + d, accepted + a
-        return {"acceptance_length": counts.acceptance_length(k),
-                "replayed_acceptance_length": 1 + accepted / drafts if drafts else None, **counts.to_dict()}
+            g = self.guesses(b)
+            for k, n in self.scorings():
+                cc, d, a = score_chains(g[:, :n], head, b, k)
+                s = scored[k]
+                scored[k] = [s[0] + cc, s[1] + d, s[2] + a]
+        figures = {k: {"acceptance_length": cc.acceptance_length(k),
+                       "replayed_acceptance_length": 1 + a / d if d else None, **cc.to_dict()}
+                   for k, (cc, d, a) in scored.items()}
+        head_k = max(figures)
+        if len(figures) == 1:
+            return figures[head_k]
+        return {"k": head_k, **figures[head_k], "by_k": {str(k): {n: f[n] for n in (
+            "acceptance_length", "replayed_acceptance_length")} for k, f in figures.items()}}
+
+
+class DFlashArm(Arm):
+    """speculators' DFlash draft (full-attention layers: the variant of vLLM's and eaglet's DFlash)."""
+
+    chunk = 256  # own_forward's blocks a forward (eager attention keeps [heads, chunk*B, T + chunk*B] scores)
+
+    def draft_config(self) -> DFlashConfig:
+        c = self.cfg
+        return DFlashConfig.from_target_dir(self.target, draft_vocab_size=len(self.vocab.d2t),
+                                            aux_layer_ids=self.capture.layer_ids, num_layers=c.num_layers,
+                                            block_size=c.block_size, mask_token_id=c.mask_token_id)
+
+    def build(self, attn: str) -> torch.nn.Module:
+        return speculators_dflash(self.dcfg, attn, self.cuda)
+
+    def inputs(self, b: PackedBatch, length: int) -> dict:
+        # its collate pads every batch to total_seq_len and its select_anchors skips the last block_size rows;
+        # on a CPU (no compiled shapes) the batch gets just those rows, so no anchor of eaglet's batch is lost
+        return padded(b, length or len(b.input_ids) + self.cfg.block_size)
+
+    def loss(self, x: dict, loss_config) -> tuple[torch.Tensor, dict]:
+        c = self.cfg
+        _, loss, metrics = self.model(**x, loss_config=loss_config, gamma=c.dflash_decay_gamma,
+                                      max_anchors=c.max_anchors, per_position_loss_weight=c.per_position_loss_weight,
+                                      dpace_alpha=c.dpace_alpha)
+        return loss, metrics
+
+    def progress(self, metrics: dict) -> dict:
+        acc = [float(metrics[f"position_{j}_acc_sum"] / metrics[f"position_{j}_acc_total"].clamp(min=1))
+               for j in range(1, self.cfg.block_size)]
+        return {"acc": [round(a, 6) for a in acc],
+                "eal": round(float(metrics["eal_sum"] / metrics["eal_total"].clamp(min=1)), 6)}
+
+    def trained_rows(self, x: dict, b: PackedBatch, batch: list[int]) -> int:
+        """The step's blocks: select_anchors' count (loss rows but the last block_size, at most max_anchors)."""
+        return min(self.cfg.max_anchors, int(x["loss_mask"][0, :-self.cfg.block_size].sum()))
+
+    def export(self, stage: Path) -> None:
+        write_folder(stage, dflash_vllm_config(self.dcfg, "bfloat16"),
+                     dflash_export(self.model, self.dcfg, self.vocab, torch.bfloat16, stage))
+
+    def export_record(self) -> dict:
+        return {"format": "vllm-dflash", "layer_ids": list(self.dcfg.aux_layer_ids), "block_size": self.cfg.block_size,
+                "num_layers": self.cfg.num_layers, "mask_token_id": self.dcfg.mask_token_id}
+
+    def scorings(self) -> list[tuple[int, int]]:
+        """Every k the block serves (1..B-1), each over its first k slots: the evaluate step's guesses at that k."""
+        return [(k, k) for k in range(1, self.cfg.block_size)]
+
+    def for_scoring(self) -> torch.dtype:
+        """The weights as the export holds them (bf16), run as the evaluate step runs them: bf16 on a GPU,
+        float32 on a CPU."""
+        dtype = torch.bfloat16 if self.cuda else torch.float32
+        round_as_exported(self.model, torch.bfloat16)
+        self.model.to(dtype)
+        return dtype
+
+    def guesses(self, b: PackedBatch) -> torch.Tensor:
+        length = self.cfg.eval_token_budget + self.cfg.block_size if self.cuda else 0  # one shape on a GPU
+        return dflash_guesses(self.model, b, self.chunk, length)
+
+
+# ----------------------------------------------------------------------------- speculators' DFlash, eaglet's export
+NOT_EXPORTED = ("embed_tokens.", "verifier_lm_head.", "verifier_norm.", "t2d", "d2t")  # the target's, or its maps
+
+
+def dflash_export(model, d: DFlashConfig, vocab: DraftVocab, dtype: torch.dtype, where) -> dict:
+    """The export tensors of speculators' DFlashDraftModel: its names are vLLM's and eaglet's DFlashDraft's
+    (fc, hidden_norm, layers.i.self_attn.{q,k,v,o}_proj/q_norm/k_norm, layers.i.mlp.*, the two layer norms,
+    norm, lm_head); the target's embedding and verifier pieces and its own vocabulary buffers stay behind
+    (eaglet's d2t and t2d go in). A weight of its draft that eaglet's has no name for is refused by name."""
+    w = {k: v for k, v in model.state_dict().items() if not k.startswith(NOT_EXPORTED)}
+    extra = sorted(set(w) - set(weight_names(DFlash(), d)))
+    if extra:
+        raise BadInput(f"{where}: speculators' DFlash weights {extra} have no place in eaglet's DFlash export")
+    return export_tensors(DFlash(), w, d, vocab, dtype, where)
+
+
+@torch.no_grad()
+def round_as_exported(model, dtype: torch.dtype) -> None:
+    """The exported weights rounded to the export's dtype in place (the target's pieces kept as they are)."""
+    for name, p in model.named_parameters():
+        if not name.startswith(NOT_EXPORTED):
+            p.copy_(p.to(dtype))
+
+
+@torch.no_grad()
+def dflash_guesses(model, b: PackedBatch, chunk: int = 256, length: int = 0) -> torch.Tensor:
+    """[T, B-1] draft ids: row t holds slots 1..B-1 of speculators' block anchored at t + 1 (its _backbone_forward:
+    its forward up to the draft logits), remote.draft.dflash_loss.block_guesses' rows; the last row holds 0.
+
+    A forward's loss rows are the chunk's anchors, max_anchors the chunk: its select_anchors then takes all of
+    them, sorted, and pads the rest of the chunk with invalid ones (one shape a forward). The batch is padded
+    to `length` rows (at least block_size more: select_anchors skips the last block_size)."""
+    bs, t = model.block_size, len(b.input_ids)
+    x = padded(b, max(length, t + bs))
+    out = torch.zeros(t, bs - 1, dtype=torch.long, device=b.input_ids.device)
+    for a in range(1, t, chunk):
+        anchors = torch.arange(a, min(a + chunk, t), device=out.device)
+        mask = torch.zeros_like(x["loss_mask"])
+        mask[0, anchors] = True
+        _, logits, *_ = model._backbone_forward(**{**x, "loss_mask": mask}, max_anchors=chunk)
+        out[anchors - 1] = logits[0].view(chunk, bs, -1)[:len(anchors), 1:].argmax(-1)
+    return out
+
+
+def speculators_dflash(d: DFlashConfig, attn: str, cuda: bool = False):
+    """speculators 0.9.0's own DFlashDraftModel of this shape (its verifier weights unset).
+
+    Its decoder config as its CLI's create_transformer_layer_config builds one from the verifier (a Qwen3Config:
+    the target's shapes, silu, the target's rope, untied), but every layer full attention (layer_types; the CLI's
+    default is sliding-window layers, causal inside the block for dflash). attn: "simple_flex_attention" on a GPU,
+    "eager" on a CPU.
+    """
+    import_speculators(cuda)
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import Qwen3Config
+
+    n = d.num_layers
+    tl = Qwen3Config(vocab_size=d.target_vocab_size, hidden_size=d.hidden_size, intermediate_size=d.intermediate_size,
+                     num_hidden_layers=n, num_attention_heads=d.num_heads, num_key_value_heads=d.num_kv_heads,
+                     head_dim=d.head_dim, hidden_act="silu", max_position_embeddings=d.max_position_embeddings,
+                     rms_norm_eps=d.rms_norm_eps, tie_word_embeddings=False, sliding_window=2048,
+                     use_sliding_window=False, layer_types=["full_attention"] * n,
+                     rope_parameters={"rope_type": "default", "rope_theta": d.rope_theta, **(d.rope_scaling or {})})
+    tl._attn_implementation = attn
+    cfg = DFlashSpeculatorConfig(
+        transformer_layer_config=tl, draft_vocab_size=d.draft_vocab_size, block_size=d.block_size,
+        aux_hidden_state_layer_ids=dflash_layer_ids(d), mask_token_id=d.mask_token_id,
+        sliding_window_non_causal=False, sample_from_anchor=False,
+        speculators_config=SpeculatorsConfig(
+            algorithm="dflash", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=d.block_size - 1)],
+            default_proposal_method="greedy", verifier=VerifierConfig(name_or_path=None, architectures=["LlamaForCausalLM"])))
+    return DFlashDraftModel(cfg)
+
+
+ARMS = {"eagle3": Arm, "dflash": DFlashArm}
 
 
 def run(raw: dict) -> dict:
-    cfg = load_config(SpeculatorsArmConfig, raw)
+    cfg = load_config(config_class(raw), raw)
     out = StepOutput(cfg.out_dir, STEP, asdict(cfg))
     if (m := out.done()) is not None:
         return m
-    arm = Arm(cfg)
+    arm = ARMS[cfg.kind](cfg)
     figures = arm.train()
     history = figures.pop("history")
     stage = out.open()
     arm.export(stage)
     (stage / "loss.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history))
     own = arm.own_forward()
-    log(f"speculators: own forward on the held-out split: acceptance {own['acceptance_length']:.3f}, "
+    log(f"speculators {cfg.kind}: own forward on the held-out split: acceptance {own['acceptance_length']:.3f}, "
         f"replayed {own['replayed_acceptance_length']}")
     return out.publish(counts={"steps": figures["steps"], "tokens": figures["tokens"]}, figures=figures,
-                       own_forward=own, export={"format": "vllm-eagle3", "layer_ids": list(arm.dcfg.aux_layer_ids)})
+                       own_forward=own, export=arm.export_record())
 
 
 def main(argv: list[str] | None = None) -> int:

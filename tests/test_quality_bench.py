@@ -1,16 +1,19 @@
 """bench/quality_bench.py's own pieces that decide its figures: the shift that feeds speculators eaglet's
-batches, the draft that travels back without the target's lm_head rows, the subset of the data.
+batches, speculators' DFlash converted to eaglet's export weight for weight (needs speculators 0.9.0
+importable: its wheel unpacked on PYTHONPATH; skipped without, as in CI), the draft that travels back
+without the target's lm_head rows, the subset of the data, the arms' settings.
 (The whole benchmark runs as a dress rehearsal: `bench/quality_bench.py --smoke`, its docstring.)"""
 from __future__ import annotations
 
+import importlib.util
 import json
 import tarfile
 
 import pytest
 import torch
 
-from bench.quality_bench import keep_draft, select_rows, target_rows, unpack
-from bench.speculators_arm import shifted
+from bench.quality_bench import arms_of, check_arms, keep_draft, select_rows, target_rows, unpack
+from bench.speculators_arm import SpeculatorsDFlashConfig, config_class, padded, shifted
 from remote.draft.loss import PackedBatch
 
 
@@ -36,6 +39,65 @@ def test_shifted_pairs_token_t_plus_1_with_the_state_of_t_inside_each_sample_as_
     pad = slice(5, 10)  # padding: a document of its own that no loss reads
     assert not x["loss_mask"][0][pad].any() and (x["document_ids"][0][pad] == 2).all()
     assert all(v.shape[1] == 10 for k, v in x.items() if k != "rows")
+
+
+def test_padded_keeps_speculators_dflash_rows_unshifted_and_pads_as_its_collate_does():
+    b = _batch([3, 4])
+    x = padded(b, 10)
+    assert x["input_ids"][0][:7].tolist() == b.input_ids.tolist() and x["hidden_states"].shape == (1, 10, 6)
+    assert x["document_ids"][0][7:].tolist() == [-1] * 3 and not x["loss_mask"][0][7:].any()
+
+
+needs_speculators = pytest.mark.skipif(importlib.util.find_spec("speculators") is None,
+                                       reason="speculators 0.9.0 is not importable (put its unpacked wheel on "
+                                              "PYTHONPATH); CI has none")
+TINY_DFLASH = dict(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64, target_vocab_size=50,
+                   draft_vocab_size=40, aux_layer_ids=(1, 2), num_layers=2, block_size=4, rope_theta=500.0)
+
+
+@needs_speculators
+def test_speculators_dflash_converts_to_eaglets_export_guess_for_guess(tmp_path):
+    """speculators' own forward (its _backbone_forward, in chunks of anchors) and eaglet's evaluator on the
+    converted folder (read_folder, load_model, block_guesses) guess the same tokens at every row and slot."""
+    from bench.speculators_arm import dflash_export, dflash_guesses, round_as_exported, speculators_dflash
+    from remote.draft.dflash import DFlashConfig, vllm_config
+    from remote.draft.dflash_loss import block_guesses
+    from remote.draft.folder import load_model, read_folder, write_folder
+    from remote.draft.vocab import DraftVocab
+
+    d = DFlashConfig(**TINY_DFLASH)
+    torch.manual_seed(0)
+    m = speculators_dflash(d, "eager").eval()
+    with torch.no_grad():  # norms away from 1, so one left out or misplaced would show
+        for p in m.parameters():
+            p.copy_(1 + 0.3 * torch.randn_like(p) if p.ndim == 1 else 0.3 * torch.randn_like(p))
+    round_as_exported(m, torch.bfloat16)
+    vocab = DraftVocab(torch.zeros(40, dtype=torch.int64), torch.arange(50) < 40, torch.ones(50, dtype=torch.int64))
+    write_folder(tmp_path, vllm_config(d, "bfloat16"), dflash_export(m, d, vocab, torch.bfloat16, tmp_path))
+    folder = read_folder(tmp_path)
+    draft, _ = load_model(folder, folder.draft_config(), m.embed_tokens.weight.detach(), torch.float32)
+
+    g = torch.Generator().manual_seed(1)
+    lens = [9, 7, 5]
+    b = _batch(lens)
+    b = PackedBatch(input_ids=torch.randint(0, 50, (b.n_tokens,), generator=g), loss_mask=b.loss_mask,
+                    aux=torch.randn(b.n_tokens, 64, generator=g), last=torch.randn(b.n_tokens, 32, generator=g),
+                    positions=b.positions, doc_ids=b.doc_ids, n_tokens=b.n_tokens)
+    theirs = dflash_guesses(m, b, chunk=6)  # chunks of 6 anchors: the last one part padding
+    ours = block_guesses(draft.eval(), b, 3)
+    assert torch.equal(theirs, ours) and len(theirs.unique()) > 5
+
+
+def test_the_kinds_floor_arms_check_and_compare_at_one_block_and_layer_count():
+    arms = {a["name"]: a for a in arms_of("kinds-floor")}
+    check_arms(list(arms.values()))
+    theirs, ours = (a["train"] for a in arms.values())
+    assert config_class(theirs) is SpeculatorsDFlashConfig
+    assert ours == {a["name"]: a for a in arms_of("kinds")}["kind-dflash-block8"]["train"]
+    assert (theirs["block_size"], theirs["epochs"]) == (ours["draft_overrides"]["block_size"], ours["epochs"])
+    assert theirs["num_layers"] == 1 and "num_layers" not in ours["draft_overrides"]  # eaglet's dflash default: 1
+    with pytest.raises(ValueError, match="kind 'eagle3'"):
+        SpeculatorsDFlashConfig(capture_dir="c", vocab_dir="v", out_dir="o", kind="eagle3")
 
 
 @pytest.fixture(scope="module")
