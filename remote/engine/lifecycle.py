@@ -209,9 +209,15 @@ def target_engine_kwargs(opts: EngineOptions, model: str, dtype: str, max_model_
         seed=0, disable_log_stats=True, trust_remote_code=trust_remote_code,
     )
     if on_cpu and is_mla:
-        # vLLM's CPU rotary kernel is wrong for MLA's 3-D query (a tiny Kimi's states 1e-2 off transformers');
-        # the native one is right (tests/test_capture_kimi.py: within 1e-4)
-        kw["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
-        if dtype == "float32":  # on a CPU with AMX vLLM picks its AMX MLA kernels, which take no float32
-            kw["attention_backend"] = "CPU_MLA"
+        kw.update(cpu_mla_kwargs(dtype))
+    return kw
+
+
+def cpu_mla_kwargs(dtype: str) -> dict:
+    """LLM()'s settings for an engine on the CPU that runs MLA attention (the target's or the draft's)."""
+    # vLLM's CPU rotary kernel is wrong for MLA's 3-D query (a tiny Kimi's states 1e-2 off transformers');
+    # the native one is right (tests/test_capture_kimi.py: within 1e-4)
+    kw = {"compilation_config": {"custom_ops": ["all", "-rotary_embedding"]}}
+    if dtype == "float32":  # on a CPU with AMX vLLM picks its AMX MLA kernels, which take no float32
+        kw["attention_backend"] = "CPU_MLA"
     return kw

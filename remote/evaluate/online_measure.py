@@ -39,7 +39,7 @@ from pathlib import Path
 
 from remote.capture.layers import TargetConfig
 from remote.draft.folder import DraftFolder, read_folder
-from remote.engine.lifecycle import VllmEngine
+from remote.engine.lifecycle import VllmEngine, cpu_mla_kwargs
 from remote.evaluate.config import OnlineConfig
 from remote.split import in_part
 from remote.step import BadInput, log, progress
@@ -263,6 +263,12 @@ def engine_kwargs(cfg: OnlineConfig, arm: str, max_model_len: int, on_cpu: bool)
         kw["distributed_executor_backend"] = "uni"
     if not on_cpu:  # on a CPU vLLM reads it as the share of the host's memory to reserve
         kw["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+    spec = kw["speculative_config"]
+    draft_mla = bool(spec and spec.get("model") and read_folder(spec["model"]).config.get("kv_lora_rank"))
+    if on_cpu and (draft_mla or text_settings(read_config(cfg.target)).get("kv_lora_rank")):
+        kw.update(cpu_mla_kwargs(cfg.dtype))
+        if draft_mla and "attention_backend" in kw:  # the draft takes the speculative config's, not the engine's
+            spec["attention_backend"] = kw["attention_backend"]
     return kw
 
 
