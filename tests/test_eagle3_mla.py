@@ -11,9 +11,7 @@ inputs to eaglet's EagleMLADraft and compares. Run as a script, this module is t
 `python -m tests.test_eagle3_mla TARGET OUT_FILE DRAFT`.
 """
 import json
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,9 +23,8 @@ from remote.draft.folder import export_tensors, read_folder, write_folder
 from remote.draft.model import TTTAttention
 from remote.draft.vocab import DraftVocab
 from remote.step import BadInput
-from tests.fixtures.export import PROMPT, eaglet_side
+from tests.fixtures.export import PROMPT, eaglet_side, record_vllm_side
 
-ROOT = Path(__file__).resolve().parents[1]
 LAYERS = (1, 2, 3)
 TOL = 2e-5  # float32 on both sides (4.7e-6 seen): vLLM decodes MLA in the absorbed form, another order of sums
 
@@ -175,11 +172,7 @@ def test_vllm_cpu_rotary_kernel_misreads_mlas_head_views():
 @pytest.fixture(scope="module")
 def recorded(mla_target, exported, tmp_path_factory):
     out = tmp_path_factory.mktemp("recorded") / "mla.pt"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1"}
-    r = subprocess.run([sys.executable, "-m", "tests.test_eagle3_mla", str(mla_target), str(out), str(exported)],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
-    return torch.load(out)
+    return record_vllm_side("tests.test_eagle3_mla", [mla_target, out, exported], out)
 
 
 @pytest.mark.vllm
