@@ -4,8 +4,9 @@
     # {"capture_dir": "<capture step>", "vocab_dir": "<vocab step>", "target": "<model>", "out_dir": "<arm>/export",
     #  "epochs": 1}                                                  (kind "eagle3", the default)
     # {..., "kind": "dflash", "block_size": 8, "num_layers": 1}     (speculators' DFlash)
+    # {..., "kind": "dspark", "block_size": 8, "num_layers": 1}     (speculators' DSpark)
 
-Both kinds train with speculators' trainer defaults (speculators/train/config/schema.py): Muon for the
+Every kind trains with speculators' trainer defaults (speculators/train/config/schema.py): Muon for the
 matrices and AdamW for the rest through its own `build_optimizers`, lr 1e-3 both, weight decay 0.1 / 0.01,
 a linear schedule with 1% warmup, 8,192 tokens a step, gradient clip 1.0, bf16 autocast over fp32 weights;
 embedding and lm_head frozen from the target's rows of the draft vocabulary (what its load_verifier_weights
@@ -31,15 +32,41 @@ and eaglet attend the block both ways. The arm builds its layers as full-attenti
 the conversion is weight-exact (tests/test_quality_bench.py). Its mask token is eaglet's dflash default
 (the target's last id; speculators' CLI would take the tokenizer's), so both arms embed the same one.
 
-The data is eaglet's for both: the same capture, draft vocabulary and packing plan (remote.draft.data.pack:
+kind "dspark" (SpeculatorsDSparkConfig): its own DSparkDraftModel (speculators.models.dspark: DFlashDraftModel
+plus a Markov head and a confidence head) at its dspark trainer defaults but the layer count (5 there) and the
+confidence head: forward KL (its fused kernel) weighted per slot by exp(-j / 4) (fixed-exp-decay, gamma 4, slot
+j = 0..B-1), 512 anchors a step, block 8, sample_from_anchor (slot j predicts token a + j + 1, all B slots
+draft), the vanilla Markov head of rank 256 (slot j's logits plus markov_w2(markov_w1[token at a + j]), the real
+token in training). Its DFlash backbone is built as the dflash arm builds it (full-attention layers, eaglet's mask
+token), so the draft is vLLM's Qwen3DSparkModel and eaglet's (remote/draft/dspark.py) name for name: DFlash's
+weights plus markov_head.markov_w1 [target vocab, r] and markov_head.markov_w2 [draft vocab, r]. Two of its
+settings differ from what vLLM serves or eaglet builds, and the arm takes the ones that match:
+- markov_head_type: "gated" and "rnn" add gate_proj / joint_proj, which vLLM's DSparkMarkovHead has no place
+  for (it serves the vanilla bias only); the arm builds "vanilla", its default.
+- the confidence head (confidence_head.proj: a linear map of [h, markov_w1[prev]] to a per-slot acceptance
+  logit, trained by a BCE to 1 - TV at weight 1.0, its default on): eaglet's DSpark has none, so the arm turns it
+  off (enable_confidence_head false) and every trained weight converts. vLLM could load it (its
+  DSparkConfidenceHead, read only by its adaptive verification; greedy guesses never read it). Set
+  enable_confidence_head true for speculators' own recipe: the head trains (its BCE's gradient also reaches the
+  backbone and markov_w1) and is left out of the export (`confidence_head_left_out` in the manifest's export).
+Its loss also computes a TV distance per slot (no gradient: its accept-rate metric and the confidence target).
+On a GPU its forward is compiled, and the fused TV is a second call of the Triton loss kernel its fused KL calls
+in the same graph, whose shared autotune `configs` list fails to trace twice; the arm passes its TV through the
+non-fused twin speculators ships (resolve_loss_config("tv", "eager"): speculators.losses.eager.tv_loss, traced
+by torch.compile with the rest of the forward), its KL through the fused kernel as its trainer does. On a CPU
+every loss is the eager one (as for the other kinds). own_forward scores its guesses at every k = 1..B (by_k;
+the headline at k = B): its _backbone_forward plus its Markov head's block_bias of the real previous token,
+which is what vLLM's left-to-right sampling conditions on wherever the chain scorer counts a guess.
+
+The data is eaglet's for every kind: the same capture, draft vocabulary and packing plan (remote.draft.data.pack:
 the same samples in the same order per seed and epoch). The trained draft is written as eaglet's export
-of its kind (remote.draft.folder's files; remote.draft.eagle3's config.json with the norm flags set, or
-remote.draft.dflash's), so remote.evaluate measures it exactly as it measures eaglet's. The manifest also
-holds `own_forward`: speculators' own forward on the held-out split, its guesses scored by
-remote.evaluate.chains' chain math (score_chains, the same batches as the evaluate step); equal figures
-prove the conversion. A DFlash draft's own_forward runs on the export's rounded (bf16) weights at every k
-of its block (`by_k`; the headline at k = block_size - 1), so it equals the evaluator's figure at each
---k. Nothing here is speculators' code copied: it is imported.
+of its kind (remote.draft.folder's files; remote.draft.eagle3's config.json with the norm flags set,
+remote.draft.dflash's or remote.draft.dspark's), so remote.evaluate measures it exactly as it measures
+eaglet's. The manifest also holds `own_forward`: speculators' own forward on the held-out split, its guesses
+scored by remote.evaluate.chains' chain math (score_chains, the same batches as the evaluate step); equal
+figures prove the conversion. A block draft's own_forward runs on the export's rounded (bf16) weights at every
+k of its block (`by_k`; the headline at k = block_size - 1 for DFlash, block_size for DSpark), so it equals the
+evaluator's figure at each --k. Nothing here is speculators' code copied: it is imported.
 """
 from __future__ import annotations
 
@@ -60,6 +87,7 @@ from remote.draft.config import DraftConfig
 from remote.draft.data import CaptureIndex, epoch_order, pack
 from remote.draft.dflash import DFlash, DFlashConfig, dflash_layer_ids
 from remote.draft.dflash import vllm_config as dflash_vllm_config
+from remote.draft.dspark import DSpark, DSparkConfig
 from remote.draft.eagle3 import vllm_config
 from remote.draft.folder import DTYPES, export_tensors, weight_names, write_folder
 from remote.draft.loss import PackedBatch, TargetHead
@@ -80,7 +108,7 @@ class ArmBase:
     capture_dir: str  # a finished capture step (eaglet's)
     vocab_dir: str  # a finished vocab step (eaglet's draft vocabulary)
     out_dir: str  # the converted draft, an eaglet export folder
-    kind: str = "eagle3"  # the draft: "eagle3" (SpeculatorsArmConfig) or "dflash" (SpeculatorsDFlashConfig)
+    kind: str = "eagle3"  # the draft: "eagle3", "dflash" or "dspark" (the class of each: CONFIGS)
     target: str = ""  # the target's folder ("": the capture's)
     epochs: float = 1.0  # passes over the train split (fractions allowed)
     max_steps: int = 0  # optimizer steps; 0: as many as the epochs give
@@ -139,7 +167,26 @@ class SpeculatorsDFlashConfig(ArmBase):
             raise ValueError(f"per_position_loss_weight dpace needs loss 'ce' (speculators refuses {self.loss!r})")
 
 
-CONFIGS = {"eagle3": SpeculatorsArmConfig, "dflash": SpeculatorsDFlashConfig}
+@dataclass(frozen=True, kw_only=True)
+class SpeculatorsDSparkConfig(SpeculatorsDFlashConfig):
+    """speculators' DSpark draft: its dspark trainer defaults (kl_div, fixed-exp-decay, block 8) but num_layers
+    (5 there) and the confidence head (on there)."""
+
+    kind: str = "dspark"
+    loss: str = "kl_div"  # its loss_fn for dspark (the schema's default for every kind but dflash and xpress)
+    per_position_loss_weight: str = "fixed-exp-decay"  # exp(-j / gamma) for slot j = 0..B-1 (sample_from_anchor)
+    markov_rank: int = 256  # r of its vanilla Markov head (its default)
+    enable_confidence_head: bool = False  # its default True: trained, then left out of the export (eaglet has none)
+    confidence_head_alpha: float = 1.0  # the confidence BCE's weight, when the head is on
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.markov_rank < 1:
+            raise ValueError(f"markov_rank {self.markov_rank}: need >= 1 (a draft without the Markov head is kind "
+                             f"dflash)")
+
+
+CONFIGS = {"eagle3": SpeculatorsArmConfig, "dflash": SpeculatorsDFlashConfig, "dspark": SpeculatorsDSparkConfig}
 
 
 def config_class(raw: dict) -> type[ArmBase]:
@@ -205,8 +252,8 @@ def padded(b: PackedBatch, length: int) -> dict:
 
 # ----------------------------------------------------------------------------- the arms
 class Arm:
-    """speculators' EAGLE-3 draft on eaglet's capture; DFlashArm overrides the kind's parts (build, inputs,
-    loss, export, guesses)."""
+    """speculators' EAGLE-3 draft on eaglet's capture; DFlashArm (and DSparkArm on it) overrides the kind's parts
+    (build, inputs, loss, export, guesses)."""
 
     def __init__(self, cfg: ArmBase):
         self.cfg = cfg
@@ -422,7 +469,7 @@ class DFlashArm(Arm):
 
     def export(self, stage: Path) -> None:
         write_folder(stage, dflash_vllm_config(self.dcfg, "bfloat16"),
-                     dflash_export(self.model, self.dcfg, self.vocab, torch.bfloat16, stage))
+                     block_export(self.model, DFlash(), self.dcfg, self.vocab, torch.bfloat16, stage))
 
     def export_record(self) -> dict:
         return {"format": "vllm-dflash", "layer_ids": list(self.dcfg.aux_layer_ids), "block_size": self.cfg.block_size,
@@ -445,20 +492,68 @@ class DFlashArm(Arm):
         return dflash_guesses(self.model, b, self.chunk, length)
 
 
-# ----------------------------------------------------------------------------- speculators' DFlash, eaglet's export
-NOT_EXPORTED = ("embed_tokens.", "verifier_lm_head.", "verifier_norm.", "t2d", "d2t")  # the target's, or its maps
+class DSparkArm(DFlashArm):
+    """speculators' DSpark draft (its DFlash backbone in full-attention layers, its vanilla Markov head)."""
+
+    def draft_config(self) -> DSparkConfig:
+        c = self.cfg
+        return DSparkConfig(**super().draft_config().to_dict(), markov_rank=c.markov_rank)
+
+    def build(self, attn: str) -> torch.nn.Module:
+        return speculators_dspark(self.dcfg, attn, self.cuda, self.cfg.enable_confidence_head)
+
+    def loss(self, x: dict, loss_config) -> tuple[torch.Tensor, dict]:
+        from speculators.losses import resolve_loss_config
+
+        c = self.cfg
+        # its TV (no gradient: the acceptance metric, the confidence head's target) through its non-fused
+        # twin: the fused one puts a second call of the KL's Triton kernel in the compiled graph (issue 5)
+        tv = resolve_loss_config("tv", "eager")["tv"][0]
+        _, loss, metrics = self.model(**x, loss_config=loss_config, tv_loss_fn=tv, gamma=c.dflash_decay_gamma,
+                                      max_anchors=c.max_anchors, confidence_head_alpha=c.confidence_head_alpha,
+                                      per_position_loss_weight=c.per_position_loss_weight, dpace_alpha=c.dpace_alpha)
+        return loss, metrics
+
+    def progress(self, metrics: dict) -> dict:
+        acc = [float(metrics[f"position_{j}_acc_sum"] / metrics[f"position_{j}_acc_total"].clamp(min=1))
+               for j in range(self.cfg.block_size)]
+        return {"acc": [round(a, 6) for a in acc],
+                "eal": round(float(metrics["eal_sum"] / metrics["eal_total"].clamp(min=1)), 6)}
+
+    def export(self, stage: Path) -> None:
+        write_folder(stage, DSpark().export_config(self.dcfg, "bfloat16", ("vllm",)),
+                     block_export(self.model, DSpark(), self.dcfg, self.vocab, torch.bfloat16, stage))
+
+    def export_record(self) -> dict:
+        return {**super().export_record(), "format": "vllm-dspark", "markov_rank": self.cfg.markov_rank,
+                "confidence_head_left_out": self.cfg.enable_confidence_head}
+
+    def scorings(self) -> list[tuple[int, int]]:
+        """Every k the block serves (1..B: all its slots draft), each over its first k slots."""
+        return [(k, k) for k in range(1, self.cfg.block_size + 1)]
+
+    def guesses(self, b: PackedBatch) -> torch.Tensor:
+        length = self.cfg.eval_token_budget + self.cfg.block_size if self.cuda else 0
+        return dspark_guesses(self.model, b, self.chunk, length)
 
 
-def dflash_export(model, d: DFlashConfig, vocab: DraftVocab, dtype: torch.dtype, where) -> dict:
-    """The export tensors of speculators' DFlashDraftModel: its names are vLLM's and eaglet's DFlashDraft's
-    (fc, hidden_norm, layers.i.self_attn.{q,k,v,o}_proj/q_norm/k_norm, layers.i.mlp.*, the two layer norms,
-    norm, lm_head); the target's embedding and verifier pieces and its own vocabulary buffers stay behind
-    (eaglet's d2t and t2d go in). A weight of its draft that eaglet's has no name for is refused by name."""
+# ----------------------------------------------------------------------------- speculators' blocks, eaglet's export
+# the target's pieces and its vocabulary maps; DSpark's confidence head (eaglet's DSpark has none, and vLLM serves a
+# checkpoint without one: its guesses do not read it)
+NOT_EXPORTED = ("embed_tokens.", "verifier_lm_head.", "verifier_norm.", "t2d", "d2t", "confidence_head.")
+
+
+def block_export(model, kind, d: DFlashConfig, vocab: DraftVocab, dtype: torch.dtype, where) -> dict:
+    """The export tensors of speculators' DFlashDraftModel or DSparkDraftModel as eaglet's kind (DFlash() or
+    DSpark()): its names are vLLM's and eaglet's (fc, hidden_norm, layers.i.self_attn.{q,k,v,o}_proj/q_norm/k_norm,
+    layers.i.mlp.*, the two layer norms, norm, lm_head; DSpark's markov_head.markov_w1/markov_w2); the target's
+    embedding and verifier pieces, its own vocabulary buffers and a confidence head stay behind (eaglet's d2t and
+    t2d go in). A weight of its draft that eaglet's has no name for is refused by name."""
     w = {k: v for k, v in model.state_dict().items() if not k.startswith(NOT_EXPORTED)}
-    extra = sorted(set(w) - set(weight_names(DFlash(), d)))
+    extra = sorted(set(w) - set(weight_names(kind, d)))
     if extra:
-        raise BadInput(f"{where}: speculators' DFlash weights {extra} have no place in eaglet's DFlash export")
-    return export_tensors(DFlash(), w, d, vocab, dtype, where)
+        raise BadInput(f"{where}: speculators' {kind.name} weights {extra} have no place in eaglet's export")
+    return export_tensors(kind, w, d, vocab, dtype, where)
 
 
 @torch.no_grad()
@@ -470,37 +565,54 @@ def round_as_exported(model, dtype: torch.dtype) -> None:
 
 
 @torch.no_grad()
-def dflash_guesses(model, b: PackedBatch, chunk: int = 256, length: int = 0) -> torch.Tensor:
-    """[T, B-1] draft ids: row t holds slots 1..B-1 of speculators' block anchored at t + 1 (its _backbone_forward:
-    its forward up to the draft logits), remote.draft.dflash_loss.block_guesses' rows; the last row holds 0.
+def speculators_blocks(model, b: PackedBatch, first: int, head, chunk: int = 256, length: int = 0) -> torch.Tensor:
+    """[T, B - first] draft ids: row t holds slots first..B-1 of speculators' block anchored at t + 1 (its
+    _backbone_forward: its forward up to the draft logits, then head(model, x, hidden, logits, block indices) ->
+    [chunk, B, V]), remote.draft.dflash_loss.block_guesses' rows; the last row holds 0.
 
     A forward's loss rows are the chunk's anchors, max_anchors the chunk: its select_anchors then takes all of
     them, sorted, and pads the rest of the chunk with invalid ones (one shape a forward). The batch is padded
     to `length` rows (at least block_size more: select_anchors skips the last block_size)."""
     bs, t = model.block_size, len(b.input_ids)
     x = padded(b, max(length, t + bs))
-    out = torch.zeros(t, bs - 1, dtype=torch.long, device=b.input_ids.device)
+    out = torch.zeros(t, bs - first, dtype=torch.long, device=b.input_ids.device)
     for a in range(1, t, chunk):
         anchors = torch.arange(a, min(a + chunk, t), device=out.device)
         mask = torch.zeros_like(x["loss_mask"])
         mask[0, anchors] = True
-        _, logits, *_ = model._backbone_forward(**{**x, "loss_mask": mask}, max_anchors=chunk)
-        out[anchors - 1] = logits[0].view(chunk, bs, -1)[:len(anchors), 1:].argmax(-1)
+        hidden, logits, _, _, idx = model._backbone_forward(**{**x, "loss_mask": mask}, max_anchors=chunk)
+        out[anchors - 1] = head(model, x, hidden, logits, idx)[:len(anchors), first:].argmax(-1)
     return out
 
 
-def speculators_dflash(d: DFlashConfig, attn: str, cuda: bool = False):
-    """speculators 0.9.0's own DFlashDraftModel of this shape (its verifier weights unset).
+def dflash_guesses(model, b: PackedBatch, chunk: int = 256, length: int = 0) -> torch.Tensor:
+    """[T, B-1]: slots 1..B-1 (slot 0 holds the anchor), the draft logits as they are."""
+    return speculators_blocks(model, b, 1, lambda m, x, h, logits, idx: logits[0].view(chunk, m.block_size, -1),
+                              chunk, length)
 
-    Its decoder config as its CLI's create_transformer_layer_config builds one from the verifier (a Qwen3Config:
-    the target's shapes, silu, the target's rope, untied), but every layer full attention (layer_types; the CLI's
-    default is sliding-window layers, causal inside the block for dflash). attn: "simple_flex_attention" on a GPU,
-    "eager" on a CPU.
-    """
-    import_speculators(cuda)
-    from speculators.config import SpeculatorsConfig, VerifierConfig
-    from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
-    from speculators.proposals.greedy import GreedyTokenProposalConfig
+
+def markov_logits(model, x: dict, hidden: torch.Tensor, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """[N, B, V] DSpark's logits: the draft logits plus its Markov head's block_bias of the real token at each slot's
+    own row (its forward's prev_token_ids with sample_from_anchor: slot k predicts a + k + 1, after the token at
+    a + k)."""
+    n, bs = idx.numel() // model.block_size, model.block_size
+    prev = x["input_ids"][0, idx].view(n, bs)
+    bias = model.markov_head.block_bias(prev_token_ids=prev, hidden_states=hidden.view(n, bs, -1))
+    return logits.view(n, bs, -1) + bias
+
+
+def dspark_guesses(model, b: PackedBatch, chunk: int = 256, length: int = 0) -> torch.Tensor:
+    """[T, B]: every slot 0..B-1 (slot 0 drafts the token after the anchor), with the Markov bias of the real
+    previous token: where every earlier guess of the block was right, the only guesses the chain scorer counts,
+    that is what vLLM's left-to-right sampling conditions on."""
+    return speculators_blocks(model, b, 0, markov_logits, chunk, length)
+
+
+def layer_config(d: DFlashConfig, attn: str):
+    """speculators' decoder config as its CLI's create_transformer_layer_config builds one from the verifier (a
+    Qwen3Config: the target's shapes, silu, the target's rope, untied), but every layer full attention (layer_types;
+    the CLI's default is sliding-window layers, causal inside the block for dflash and dspark). attn:
+    "simple_flex_attention" on a GPU, "eager" on a CPU."""
     from transformers import Qwen3Config
 
     n = d.num_layers
@@ -511,17 +623,44 @@ def speculators_dflash(d: DFlashConfig, attn: str, cuda: bool = False):
                      use_sliding_window=False, layer_types=["full_attention"] * n,
                      rope_parameters={"rope_type": "default", "rope_theta": d.rope_theta, **(d.rope_scaling or {})})
     tl._attn_implementation = attn
-    cfg = DFlashSpeculatorConfig(
-        transformer_layer_config=tl, draft_vocab_size=d.draft_vocab_size, block_size=d.block_size,
-        aux_hidden_state_layer_ids=dflash_layer_ids(d), mask_token_id=d.mask_token_id,
-        sliding_window_non_causal=False, sample_from_anchor=False,
-        speculators_config=SpeculatorsConfig(
-            algorithm="dflash", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=d.block_size - 1)],
-            default_proposal_method="greedy", verifier=VerifierConfig(name_or_path=None, architectures=["LlamaForCausalLM"])))
-    return DFlashDraftModel(cfg)
+    return tl
 
 
-ARMS = {"eagle3": Arm, "dflash": DFlashArm}
+def block_settings(d: DFlashConfig, attn: str, algorithm: str, drafted: int) -> dict:
+    """The settings of speculators' DFlash-family configs that eaglet's shape decides (its verifier weights unset)."""
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+
+    return dict(transformer_layer_config=layer_config(d, attn), draft_vocab_size=d.draft_vocab_size,
+                block_size=d.block_size, aux_hidden_state_layer_ids=dflash_layer_ids(d),
+                mask_token_id=d.mask_token_id, sliding_window_non_causal=False,
+                speculators_config=SpeculatorsConfig(
+                    algorithm=algorithm, proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=drafted)],
+                    default_proposal_method="greedy",
+                    verifier=VerifierConfig(name_or_path=None, architectures=["LlamaForCausalLM"])))
+
+
+def speculators_dflash(d: DFlashConfig, attn: str, cuda: bool = False):
+    """speculators 0.9.0's own DFlashDraftModel of this shape: slot 0 the anchor (sample_from_anchor false)."""
+    import_speculators(cuda)
+    from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+
+    return DFlashDraftModel(DFlashSpeculatorConfig(**block_settings(d, attn, "dflash", d.block_size - 1),
+                                                   sample_from_anchor=False))
+
+
+def speculators_dspark(d: DSparkConfig, attn: str, cuda: bool = False, confidence: bool = False):
+    """speculators 0.9.0's own DSparkDraftModel of this shape: every slot drafting (sample_from_anchor, its default),
+    its vanilla Markov head of rank d.markov_rank (vLLM's only one), its confidence head when `confidence`."""
+    import_speculators(cuda)
+    from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
+
+    return DSparkDraftModel(DSparkSpeculatorConfig(
+        **block_settings(d, attn, "dspark", d.block_size), sample_from_anchor=True, markov_rank=d.markov_rank,
+        markov_head_type="vanilla", enable_confidence_head=confidence, confidence_head_with_markov=True))
+
+
+ARMS = {"eagle3": Arm, "dflash": DFlashArm, "dspark": DSparkArm}
 
 
 def run(raw: dict) -> dict:

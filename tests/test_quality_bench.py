@@ -1,19 +1,21 @@
 """bench/quality_bench.py's own pieces that decide its figures: the shift that feeds speculators eaglet's
-batches, speculators' DFlash converted to eaglet's export weight for weight (needs speculators 0.9.0
-importable: its wheel unpacked on PYTHONPATH; skipped without, as in CI), the draft that travels back
-without the target's lm_head rows, the subset of the data, the arms' settings.
+batches, speculators' DFlash and DSpark converted to eaglet's export weight for weight and its DSpark arm run
+end to end at a tiny size (these need speculators 0.9.0 importable: its wheel unpacked on PYTHONPATH; skipped
+without, as in CI), the draft that travels back without the target's lm_head rows, the subset of the data, the
+arms' settings.
 (The whole benchmark runs as a dress rehearsal: `bench/quality_bench.py --smoke`, its docstring.)"""
 from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import tarfile
 
 import pytest
 import torch
 
 from bench.quality_bench import arms_of, check_arms, keep_draft, select_rows, target_rows, unpack
-from bench.speculators_arm import SpeculatorsDFlashConfig, config_class, padded, shifted
+from bench.speculators_arm import SpeculatorsDFlashConfig, SpeculatorsDSparkConfig, config_class, padded, shifted
 from remote.draft.loss import PackedBatch
 
 
@@ -55,47 +57,98 @@ TINY_DFLASH = dict(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, inte
                    draft_vocab_size=40, aux_layer_ids=(1, 2), num_layers=2, block_size=4, rope_theta=500.0)
 
 
-@needs_speculators
-def test_speculators_dflash_converts_to_eaglets_export_guess_for_guess(tmp_path):
-    """speculators' own forward (its _backbone_forward, in chunks of anchors) and eaglet's evaluator on the
-    converted folder (read_folder, load_model, block_guesses) guess the same tokens at every row and slot."""
-    from bench.speculators_arm import dflash_export, dflash_guesses, round_as_exported, speculators_dflash
-    from remote.draft.dflash import DFlashConfig, vllm_config
-    from remote.draft.dflash_loss import block_guesses
+def _converted(tmp_path, kind: str, confidence: bool = False):
+    """(speculators' own draft of the kind at TINY_DFLASH's shape with random weights, rounded to bf16, and eaglet's
+    evaluator's model of its converted export folder: read_folder, load_model)."""
+    from bench.speculators_arm import block_export, round_as_exported, speculators_dflash, speculators_dspark
+    from remote.draft.dflash import DFlash, DFlashConfig
+    from remote.draft.dspark import DSpark, DSparkConfig
     from remote.draft.folder import load_model, read_folder, write_folder
     from remote.draft.vocab import DraftVocab
 
-    d = DFlashConfig(**TINY_DFLASH)
     torch.manual_seed(0)
-    m = speculators_dflash(d, "eager").eval()
+    if kind == "dspark":
+        d, k = DSparkConfig(**TINY_DFLASH, markov_rank=6), DSpark()
+        m = speculators_dspark(d, "eager", confidence=confidence).eval()
+    else:
+        d, k = DFlashConfig(**TINY_DFLASH), DFlash()
+        m = speculators_dflash(d, "eager").eval()
     with torch.no_grad():  # norms away from 1, so one left out or misplaced would show
         for p in m.parameters():
             p.copy_(1 + 0.3 * torch.randn_like(p) if p.ndim == 1 else 0.3 * torch.randn_like(p))
     round_as_exported(m, torch.bfloat16)
     vocab = DraftVocab(torch.zeros(40, dtype=torch.int64), torch.arange(50) < 40, torch.ones(50, dtype=torch.int64))
-    write_folder(tmp_path, vllm_config(d, "bfloat16"), dflash_export(m, d, vocab, torch.bfloat16, tmp_path))
+    tensors = block_export(m, k, d, vocab, torch.bfloat16, tmp_path)
+    write_folder(tmp_path, k.export_config(d, "bfloat16", ("vllm",)), tensors)
     folder = read_folder(tmp_path)
     draft, _ = load_model(folder, folder.draft_config(), m.embed_tokens.weight.detach(), torch.float32)
+    return m, draft.eval(), folder
 
+
+def _random_batch(lens: list[int]) -> PackedBatch:
     g = torch.Generator().manual_seed(1)
-    lens = [9, 7, 5]
     b = _batch(lens)
-    b = PackedBatch(input_ids=torch.randint(0, 50, (b.n_tokens,), generator=g), loss_mask=b.loss_mask,
-                    aux=torch.randn(b.n_tokens, 64, generator=g), last=torch.randn(b.n_tokens, 32, generator=g),
-                    positions=b.positions, doc_ids=b.doc_ids, n_tokens=b.n_tokens)
+    return PackedBatch(input_ids=torch.randint(0, 50, (b.n_tokens,), generator=g), loss_mask=b.loss_mask,
+                       aux=torch.randn(b.n_tokens, 64, generator=g), last=torch.randn(b.n_tokens, 32, generator=g),
+                       positions=b.positions, doc_ids=b.doc_ids, n_tokens=b.n_tokens)
+
+
+@needs_speculators
+def test_speculators_dflash_converts_to_eaglets_export_guess_for_guess(tmp_path):
+    """speculators' own forward (its _backbone_forward, in chunks of anchors) and eaglet's evaluator on the
+    converted folder (read_folder, load_model, block_guesses) guess the same tokens at every row and slot."""
+    from bench.speculators_arm import dflash_guesses
+    from remote.draft.dflash_loss import block_guesses
+
+    m, draft, _ = _converted(tmp_path, "dflash")
+    b = _random_batch([9, 7, 5])
     theirs = dflash_guesses(m, b, chunk=6)  # chunks of 6 anchors: the last one part padding
-    ours = block_guesses(draft.eval(), b, 3)
+    ours = block_guesses(draft, b, 3)
     assert torch.equal(theirs, ours) and len(theirs.unique()) > 5
 
 
+@needs_speculators
+@pytest.mark.parametrize("confidence", [False, True])
+def test_speculators_dspark_converts_to_eaglets_export_guess_for_guess(tmp_path, confidence):
+    """speculators' own DSpark (its _backbone_forward plus its Markov head's block_bias of the real previous token)
+    and eaglet's evaluator on the converted folder guess the same tokens at all B slots of every block; its
+    confidence head, when trained, is left out and changes no guess."""
+    from bench.speculators_arm import dspark_guesses
+    from remote.draft.dflash_loss import block_guesses
+
+    m, draft, folder = _converted(tmp_path, "dspark", confidence)
+    assert folder.config["architectures"] == ["Qwen3DSparkModel"] and folder.config["markov_rank"] == 6
+    shapes = folder.tensors
+    assert shapes["markov_head.markov_w1.weight"] == (50, 6) and shapes["markov_head.markov_w2.weight"] == (40, 6)
+    assert (m.confidence_head is not None) is confidence and not any("confidence" in n for n in shapes)
+    lens = [9, 7, 5]
+    b = _random_batch(lens)
+    theirs = dspark_guesses(m, b, chunk=6)
+    ours = block_guesses(draft, b, 4)
+    # a slot whose previous token lies past the batch's end reads speculators' padding there and eaglet's last
+    # token (a token no chain reaches); every other slot must agree
+    t = b.n_tokens
+    known = (torch.arange(t)[:, None] + 1 + torch.arange(4)[None, :] < t) | (torch.arange(t)[:, None] == t - 1)
+    assert theirs.shape == ours.shape == (t, 4)
+    assert torch.equal(theirs[known], ours[known]) and len(theirs.unique()) > 5
+
+
 def test_the_kinds_floor_arms_check_and_compare_at_one_block_and_layer_count():
-    arms = {a["name"]: a for a in arms_of("kinds-floor")}
-    check_arms(list(arms.values()))
-    theirs, ours = (a["train"] for a in arms.values())
-    assert config_class(theirs) is SpeculatorsDFlashConfig
+    arms = {a["name"]: a["train"] for a in arms_of("kinds-floor")}
+    check_arms(arms_of("kinds-floor"))
+    assert list(arms) == ["floor-speculators-dflash-block8", "floor-eaglet-dflash-block8-ttt7",
+                          "floor-speculators-dspark-block8", "floor-eaglet-dspark-block8-ttt8",
+                          "floor-eaglet-dflash-block8"]
+    ours = arms["floor-eaglet-dflash-block8"]
     assert ours == {a["name"]: a for a in arms_of("kinds")}["kind-dflash-block8"]["train"]
-    assert (theirs["block_size"], theirs["epochs"]) == (ours["draft_overrides"]["block_size"], ours["epochs"])
-    assert theirs["num_layers"] == 1 and "num_layers" not in ours["draft_overrides"]  # eaglet's dflash default: 1
+    # each eaglet block arm trains every slot its block drafts (DFlash B - 1, DSpark B), the rest as kind-dflash-block8
+    assert arms["floor-eaglet-dflash-block8-ttt7"] == {**ours, "ttt_steps": 7}
+    assert arms["floor-eaglet-dspark-block8-ttt8"] == {**ours, "ttt_steps": 8, "draft": "dspark"}
+    for kind in ("dflash", "dspark"):
+        theirs = arms[f"floor-speculators-{kind}-block8"]
+        assert config_class(theirs) is {"dflash": SpeculatorsDFlashConfig, "dspark": SpeculatorsDSparkConfig}[kind]
+        assert (theirs["block_size"], theirs["epochs"]) == (ours["draft_overrides"]["block_size"], ours["epochs"])
+        assert theirs["num_layers"] == 1 and "num_layers" not in ours["draft_overrides"]  # eaglet's default: 1
     with pytest.raises(ValueError, match="kind 'eagle3'"):
         SpeculatorsDFlashConfig(capture_dir="c", vocab_dir="v", out_dir="o", kind="eagle3")
 
@@ -109,6 +162,36 @@ def target(tmp_path_factory):
     LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)).save_pretrained(d)
     return str(d)
+
+
+@needs_speculators
+def test_the_speculators_dspark_arm_trains_exports_and_its_own_forward_is_the_evaluators_figure(target, tmp_path):
+    """The arm end to end on a CPU at a tiny size (a capture of the tiny target's states, 3 steps): speculators'
+    DSpark trains, is written as eaglet's DSpark export, and its own forward's figure at every k of the block is
+    what the evaluate step's offline measure gives on that export."""
+    from bench.speculators_arm import run
+    from remote.evaluate.config import EvaluateConfig
+    from remote.evaluate.evaluate import measure_offline
+    from tests.fixtures.train_inputs import hf_capture, random_chats, save_vocab
+
+    seqs, masks = random_chats(28, 300)
+    cap = hf_capture(target, seqs, masks, tmp_path / "capture", layer_ids=(1, 2), heldout=6)
+    voc = save_vocab(seqs[:22], masks[:22], 300, 64, tmp_path / "vocab")
+    m = run({"kind": "dspark", "capture_dir": str(cap), "vocab_dir": str(voc), "out_dir": str(tmp_path / "export"),
+             "block_size": 4, "num_layers": 1, "markov_rank": 8, "max_steps": 3, "token_budget": 256, "lr": 1e-2,
+             "device": "cpu", "log_every": 1})
+    export = tmp_path / "export"
+    history = [json.loads(line) for line in (export / "loss.jsonl").read_text().splitlines()]
+    assert m["counts"]["steps"] == 3 and len(history) == 3 and all(math.isfinite(r["loss"]) for r in history)
+    assert len(history[0]["acc"]) == 4  # all four slots of the block draft
+    assert m["export"]["format"] == "vllm-dspark" and not m["export"]["confidence_head_left_out"]
+    own = m["own_forward"]
+    assert own["k"] == 4 and sorted(own["by_k"]) == ["1", "2", "3", "4"]
+    for k in (1, 4):
+        cfg = EvaluateConfig(target=target, draft_dir=str(export), data="unused", out_dir=str(tmp_path / "eval"),
+                             capture_dir=str(cap), num_speculative_tokens=k, online=False)
+        theirs = measure_offline(cfg, k)
+        assert own["by_k"][str(k)]["acceptance_length"] == pytest.approx(theirs["acceptance_length"], abs=1e-9)
 
 
 def _export(folder, target, lm_head=None):
