@@ -40,7 +40,7 @@ every arm; the same code paths, compiled ones on a GPU):
 An arm (bench/quality_arms.json holds the presets; `--arms FILE` takes a JSON list) is a dict:
 impl "eaglet" runs `python -m remote.train.train --config` with its `train` dict as TrainConfig keys,
 then remote.train.export (its `export` dict as ExportConfig keys); impl "speculators" runs bench.speculators_arm (speculators' own draft of
-the `train` dict's kind, eagle3 or dflash, with its loss and optimiser on the same packed capture, converted to eaglet's
+the `train` dict's kind, eagle3, dflash or dspark, with its loss and optimiser on the same packed capture, converted to eaglet's
 export). Both then go through
 the same remote.evaluate step, offline, at each `--k` (default 3; `--k 3 5`: two evaluations of the one draft,
 the first k the headline `offline`, every k under `offline_by_k`): acceptance length, the replayed one and the
@@ -250,11 +250,13 @@ def run_arm(arm: dict, shared: dict, model: str, a, work: Path, t_start: float, 
 
 
 def arm_ks(ks: list[int], export: Path) -> list[int]:
-    """The k a draft is evaluated at: --k's, a block drafter's cut to its block (it guesses block_size - 1 tokens at
-    most), in --k's order without repeats."""
-    block = json.loads((export / "config.json").read_text()).get("block_size")
-    cut = [min(k, block - 1) if block else k for k in ks]
-    return list(dict.fromkeys(cut))
+    """The k a draft is evaluated at: --k's, a block drafter's cut to the tokens its block drafts (its kind's
+    drafted_tokens: DFlash block_size - 1, DSpark block_size), in --k's order without repeats."""
+    from remote.draft.folder import read_folder
+
+    folder = read_folder(export)
+    most = folder.kind.drafted_tokens(folder.draft_config())
+    return list(dict.fromkeys(min(k, most) if most else k for k in ks))
 
 
 def evaluate_at(ks: list[int], model: str, own: dict, folder: Path, limit: float | None, seconds: dict) -> dict:
