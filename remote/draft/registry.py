@@ -66,6 +66,10 @@ class DraftKind:
         """[T, steps] draft ids: at row t, the guesses for tokens t+2..t+1+steps (teacher-forced on the batch)."""
         raise NotImplementedError
 
+    def serving_problems(self, target_config: dict) -> list[str]:
+        """Why vLLM 0.32 could not serve a draft of this kind beside this target ([]: it can)."""
+        return []
+
     def drafted_tokens(self, cfg: Any) -> int | None:
         """The tokens a draft of this config proposes a step, the num_speculative_tokens it is served with: a block
         drafter's block is part of the model; None for a chain drafter (any k)."""

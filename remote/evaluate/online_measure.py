@@ -57,7 +57,8 @@ PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 # ----------------------------------------------------------------------------- checks before vLLM
 def check_draft(draft_dir: str | os.PathLike, target_dir: str | os.PathLike, k: int | None = None) -> DraftFolder:
     """Refuse a draft that vLLM would load wrongly or crash on, or (given k, eval.num_speculative_tokens) could not
-    serve with k speculative tokens as trained, naming the mismatch (BadInput)."""
+    serve beside this target (its kind's serving_problems) or with k speculative tokens as trained, naming the
+    mismatch (BadInput)."""
     draft = read_folder(draft_dir)
     target = text_settings(read_config(target_dir))
     c, where = draft.config, f"{draft.kind.name} draft {draft.path}"  # kind: BadInput for an architecture no kind has
@@ -76,7 +77,9 @@ def check_draft(draft_dir: str | os.PathLike, target_dir: str | os.PathLike, k: 
     problems += _recorded_target_problems(draft, target, str(target_dir))
     if problems:
         raise BadInput(f"{where} does not fit target {target_dir}: " + "; ".join(problems))
-    if k is not None:  # its config read back (draft_config()) only once it fits the target
+    if k is not None:  # served: its config read back (draft_config()) only once it fits the target
+        if problems := draft.kind.serving_problems(target):
+            raise BadInput(f"{where} cannot be served beside target {target_dir}: " + "; ".join(problems))
         served_k(draft, k)
     return draft
 

@@ -172,6 +172,9 @@ class TrainConfig(TrainOptions):
     """the window of `windows` this step trains (its capture_dir holds that window's samples)"""
     checkpoint_dir: str = ""
     """where checkpoints are kept; "": <out_dir>.partial/checkpoints (the windows of a run share one)"""
+    offline_only: bool = False
+    """train a draft vLLM cannot serve beside this target (its kind's serving_problems), to measure it offline (a
+    study: bench/quality_arms.json's MLA draft of a GQA target); False refuses one before any step runs"""
 
     def __post_init__(self):
         super().__post_init__()

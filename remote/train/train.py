@@ -555,6 +555,8 @@ def resolve_inputs(cfg: TrainConfig):
         raise BadInput(f"target {target}: no config.json (set target in the train config)")
     target_config = read_config(target)
     draft_kind = kind_for_target(cfg.draft, target_config)  # train.draft: a kind of KINDS, or auto
+    if (problems := draft_kind.serving_problems(target_config)) and not cfg.offline_only:
+        raise BadInput(f"train.draft {cfg.draft} for target {target}: " + "; ".join(problems))
     overrides = cfg.draft_overrides
     if cfg.draft == AUTO:
         overrides = {**draft_kind.auto_overrides(target_config), **overrides}
