@@ -202,21 +202,13 @@ def tally_ks(draft, head, batches, steps: int, ks: list[int]) -> dict:
     out = {k: ChainTally(ChainCounts.zeros(steps)) for k in ks}
     for b in batches:
         guesses = kind_of_model(draft).guesses(draft, b, steps)
-        out = {k: added([t, ChainTally(*score_chains(guesses, head, b, k), b.n_tokens)]) for k, t in out.items()}
+        out = {k: t + ChainTally(*score_chains(guesses, head, b, k), b.n_tokens) for k, t in out.items()}
     return out
-
-
-def added(tallies: list):
-    """ChainTallies summed."""
-    from remote.evaluate.chains import ChainTally
-
-    return ChainTally(sum((t.counts for t in tallies[1:]), tallies[0].counts), sum(t.drafts for t in tallies),
-                      sum(t.accepted for t in tallies), sum(t.tokens for t in tallies))
 
 
 def summed(tallies: list[dict]) -> dict:
     """{k: ChainTally} of several groups added up."""
-    return {k: added([t[k] for t in tallies]) for k in tallies[0]}
+    return {k: sum((t[k] for t in tallies[1:]), tallies[0][k]) for k in tallies[0]}
 
 
 def figures(tally: dict, records: list[dict]) -> dict:

@@ -52,6 +52,10 @@ class ChainTally:
     accepted: int = 0
     tokens: int = 0
 
+    def __add__(self, other: "ChainTally") -> "ChainTally":
+        return ChainTally(self.counts + other.counts, self.drafts + other.drafts, self.accepted + other.accepted,
+                          self.tokens + other.tokens)
+
     def all_reduce(self, dist) -> "ChainTally":
         """Summed over every rank of a remote.train.state.Distributed."""
         flat = torch.cat([self.counts.attempts, self.counts.accepted,
@@ -82,6 +86,5 @@ def chain_tally(draft, head, batches, steps: int, k: int, attention: str = "dens
     """Count the draft's chains over packed batches (on the draft's device) that carry their in-draft flags."""
     tally = ChainTally(ChainCounts.zeros(steps))
     for b in batches:
-        c, d, a = chain_of_batch(draft, head, b, steps, k, attention, compiled)
-        tally = ChainTally(tally.counts + c, tally.drafts + d, tally.accepted + a, tally.tokens + b.n_tokens)
+        tally += ChainTally(*chain_of_batch(draft, head, b, steps, k, attention, compiled), b.n_tokens)
     return tally
