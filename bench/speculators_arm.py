@@ -86,7 +86,6 @@ from remote.capture.store import CaptureSet
 from remote.draft.config import DraftConfig
 from remote.draft.data import CaptureIndex, epoch_order, pack
 from remote.draft.dflash import DFlash, DFlashConfig, dflash_layer_ids
-from remote.draft.dflash import vllm_config as dflash_vllm_config
 from remote.draft.dspark import DSpark, DSparkConfig
 from remote.draft.eagle3 import vllm_config
 from remote.draft.folder import DTYPES, export_tensors, weight_names, write_folder
@@ -435,6 +434,7 @@ class DFlashArm(Arm):
     """speculators' DFlash draft (full-attention layers: the variant of vLLM's and eaglet's DFlash)."""
 
     chunk = 256  # own_forward's blocks a forward (eager attention keeps [heads, chunk*B, T + chunk*B] scores)
+    export_kind = DFlash()  # eaglet's kind it is exported as
 
     def draft_config(self) -> DFlashConfig:
         c = self.cfg
@@ -468,12 +468,13 @@ class DFlashArm(Arm):
         return min(self.cfg.max_anchors, int(x["loss_mask"][0, :-self.cfg.block_size].sum()))
 
     def export(self, stage: Path) -> None:
-        write_folder(stage, dflash_vllm_config(self.dcfg, "bfloat16"),
-                     block_export(self.model, DFlash(), self.dcfg, self.vocab, torch.bfloat16, stage))
+        write_folder(stage, self.export_kind.export_config(self.dcfg, "bfloat16", ("vllm",)),
+                     block_export(self.model, self.export_kind, self.dcfg, self.vocab, torch.bfloat16, stage))
 
     def export_record(self) -> dict:
-        return {"format": "vllm-dflash", "layer_ids": list(self.dcfg.aux_layer_ids), "block_size": self.cfg.block_size,
-                "num_layers": self.cfg.num_layers, "mask_token_id": self.dcfg.mask_token_id}
+        return {"format": self.export_kind.export_format, "layer_ids": list(self.dcfg.aux_layer_ids),
+                "block_size": self.cfg.block_size, "num_layers": self.cfg.num_layers,
+                "mask_token_id": self.dcfg.mask_token_id}
 
     def scorings(self) -> list[tuple[int, int]]:
         """Every k the block serves (1..B-1), each over its first k slots: the evaluate step's guesses at that k."""
@@ -494,6 +495,8 @@ class DFlashArm(Arm):
 
 class DSparkArm(DFlashArm):
     """speculators' DSpark draft (its DFlash backbone in full-attention layers, its vanilla Markov head)."""
+
+    export_kind = DSpark()
 
     def draft_config(self) -> DSparkConfig:
         c = self.cfg
@@ -520,12 +523,8 @@ class DSparkArm(DFlashArm):
         return {"acc": [round(a, 6) for a in acc],
                 "eal": round(float(metrics["eal_sum"] / metrics["eal_total"].clamp(min=1)), 6)}
 
-    def export(self, stage: Path) -> None:
-        write_folder(stage, DSpark().export_config(self.dcfg, "bfloat16", ("vllm",)),
-                     block_export(self.model, DSpark(), self.dcfg, self.vocab, torch.bfloat16, stage))
-
     def export_record(self) -> dict:
-        return {**super().export_record(), "format": "vllm-dspark", "markov_rank": self.cfg.markov_rank,
+        return {**super().export_record(), "markov_rank": self.cfg.markov_rank,
                 "confidence_head_left_out": self.cfg.enable_confidence_head}
 
     def scorings(self) -> list[tuple[int, int]]:
