@@ -2,6 +2,7 @@
 
     config = read_config("/models/Kimi-K2.5")      # the file as it is; BadInput naming the folder
     text = text_settings(config)                    # the text model's settings over the top level
+    is_mla(config)                                  # its attention is MLA
 """
 from __future__ import annotations
 
@@ -23,6 +24,11 @@ def read_config(target: str | Path) -> dict:
     if not isinstance(config, dict):
         raise BadInput(f"target {target}: config.json holds {type(config).__name__}, not an object")
     return config
+
+
+def is_mla(config: dict) -> bool:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2.5, an MLA draft): its text config has kv_lora_rank."""
+    return bool(text_settings(config).get("kv_lora_rank"))
 
 
 def text_settings(config: dict) -> dict:

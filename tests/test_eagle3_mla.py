@@ -97,7 +97,7 @@ def test_a_target_without_a_query_rank_gives_its_draft_one(tiny_llama):
 def test_the_online_engine_runs_an_mla_draft_with_the_cpu_mla_settings(mla_target, tiny_llama, exported):
     """The evaluate step's engines on a CPU: MLA attention in the target or the draft takes PyTorch's rotary and,
     in float32, CPU_MLA (the draft's through the speculative config); a Llama target without a draft takes neither.
-    Built, not started (the engine itself runs in test_vllm_forward_of_the_export_equals_eaglets)."""
+    Built, not started (the engine itself runs in test_vllm_runs_the_exported_mla_draft_as_eaglet_computes_it)."""
     from remote.evaluate.config import OnlineConfig
     from remote.evaluate.online_measure import engine_kwargs
 

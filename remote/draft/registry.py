@@ -23,7 +23,7 @@ from functools import cache
 from typing import TYPE_CHECKING, Any
 
 from remote.step import BadInput
-from remote.target import text_settings
+from remote.target import is_mla
 
 if TYPE_CHECKING:
     import torch
@@ -115,7 +115,7 @@ def kind_for_target(name: str, target_config: dict) -> DraftKind:
     with an MLA layer against 2.69 with a Llama one), else eagle3."""
     if name != AUTO:
         return kind(name)
-    return kind("eagle3_mla" if text_settings(target_config).get("kv_lora_rank") else DEFAULT)
+    return kind("eagle3_mla" if is_mla(target_config) else DEFAULT)
 
 
 def kinds() -> list[DraftKind]:

