@@ -177,7 +177,7 @@ def score(capture_set, records: list[dict], draft, head, device, dtype, ks: list
     """{(set, category, turn): {k: ChainTally}}: each group's samples, every row of them, batched as the evaluate step
     batches its held-out split."""
     from remote.draft.data import CaptureIndex
-    from remote.evaluate.chains import heldout_plan
+    from remote.evaluate.chains import chain_tallies, heldout_plan
 
     index = CaptureIndex.build(capture_set, split=SPLIT)
     group = {sample_id(r): (r["set"], r["category"], r["turn"]) for r in records}
@@ -187,23 +187,8 @@ def score(capture_set, records: list[dict], draft, head, device, dtype, ks: list
         sub = CaptureIndex([r for r in index.refs if group[r.sample_id] == key], index.hidden_size, index.n_aux,
                            index.dtype, SPLIT)
         plan = heldout_plan(sub, budget, sum(sub.lengths))
-        tallies[key] = tally_ks(draft, head, (sub.load(p, budget).to(device, dtype) for p in plan), max(ks), ks)
+        tallies[key] = chain_tallies(draft, head, (sub.load(p, budget).to(device, dtype) for p in plan), max(ks), ks)
     return tallies
-
-
-@torch.no_grad()
-def tally_ks(draft, head, batches, steps: int, ks: list[int]) -> dict:
-    """{k: ChainTally}: remote.evaluate.chains.chain_tally at every k from one pass of the draft (its guesses do
-    not depend on k; only the replay along the turns does)."""
-    from remote.draft.registry import kind_of_model
-    from remote.evaluate.acceptance import ChainCounts
-    from remote.evaluate.chains import ChainTally, score_chains
-
-    out = {k: ChainTally(ChainCounts.zeros(steps)) for k in ks}
-    for b in batches:
-        guesses = kind_of_model(draft).guesses(draft, b, steps)
-        out = {k: t + ChainTally(*score_chains(guesses, head, b, k), b.n_tokens) for k, t in out.items()}
-    return out
 
 
 def summed(tallies: list[dict]) -> dict:

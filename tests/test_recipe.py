@@ -9,7 +9,7 @@ from remote.draft.config import DraftConfig
 from remote.draft.data import epoch_order, pack
 from remote.draft.loss import PackedBatch, TargetHead, TTTObjective
 from remote.draft.model import EagleDraft
-from remote.evaluate.chains import chain_of_batch, heldout_plan
+from remote.evaluate.chains import chain_tally, heldout_plan
 from remote.train.optimizers import build_optimizer, lr_factor
 from remote.train.train import TrainConfig
 
@@ -55,9 +55,9 @@ def test_the_shared_unroll_gives_the_numbers_of_the_two_it_replaced():
                                                       569.822509765625, 2.0, 27.0], rel=1e-6)
     assert float(draft.fc.weight.grad.double().pow(2).sum()) == pytest.approx(4535.529402309141, rel=1e-5)
     assert float(draft.lm_head.weight.grad.double().pow(2).sum()) == pytest.approx(6.418053589915346, rel=1e-5)
-    with torch.no_grad():
-        counts, drafts, accepted = chain_of_batch(draft, head, b, 3, 2)
-    assert (counts.attempts.tolist(), counts.accepted.tolist(), drafts, accepted) == ([31, 1, 0], [1, 0, 0], 21, 1)
+    tally = chain_tally(draft, head, [b], 3, 2)
+    assert (tally.counts.attempts.tolist(), tally.counts.accepted.tolist(), tally.drafts, tally.accepted) == \
+        ([31, 1, 0], [1, 0, 0], 21, 1)
 
 
 def test_step_k_counts_where_its_token_is_known_and_the_target_top1_is_a_draft_token():

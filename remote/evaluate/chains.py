@@ -2,6 +2,7 @@
 
     plan = heldout_plan(index, token_budget, max_tokens)        # held-out batches, by sample id
     tally = chain_tally(draft, head, batches, steps, k)          # ChainTally: counts, replayed drafts/accepted
+    by_k = chain_tallies(draft, head, batches, steps, [3, 5])    # {k: ChainTally}, the draft run once a batch
     tally.all_reduce(dist).summary(k)                            # the figures (every rank's batches summed)
 
 The evaluate step and the trainer's held-out evaluation both count here, so the two figures are the same
@@ -16,14 +17,6 @@ import torch
 
 from remote.draft.registry import kind_of_model
 from remote.evaluate.acceptance import ChainCounts, chain_counts, greedy_walk, leading_right, turn_spans
-
-
-def chain_of_batch(draft, head, b, steps: int, k: int, attention: str = "dense",
-                   compiled: bool = False) -> tuple[ChainCounts, int, int]:
-    """Chain counts of one packed batch (start row t, step j guesses token t+2+j: the draft's kind's proposal
-    rule, remote.draft.registry.DraftKind.guesses) and (drafts, accepted) of greedy decoding with k
-    speculative tokens replayed along its turns."""
-    return score_chains(kind_of_model(draft).guesses(draft, b, steps, attention, compiled), head, b, k)
 
 
 def score_chains(guesses: torch.Tensor, head, b, k: int) -> tuple[ChainCounts, int, int]:
@@ -81,10 +74,20 @@ def heldout_plan(index, token_budget: int, max_tokens: int) -> list[list[int]]:
     return pack(index.lengths, token_budget, order, max_tokens)
 
 
-@torch.no_grad()
 def chain_tally(draft, head, batches, steps: int, k: int, attention: str = "dense", compiled: bool = False) -> ChainTally:
     """Count the draft's chains over packed batches (on the draft's device) that carry their in-draft flags."""
-    tally = ChainTally(ChainCounts.zeros(steps))
+    return chain_tallies(draft, head, batches, steps, [k], attention, compiled)[k]
+
+
+@torch.no_grad()
+def chain_tallies(draft, head, batches, steps: int, ks: list[int], attention: str = "dense",
+                  compiled: bool = False) -> dict[int, ChainTally]:
+    """{k: chain_tally at k} from one pass of the draft: each batch's guesses (start row t, step j guesses token
+    t+2+j: the draft kind's proposal rule, remote.draft.registry.DraftKind.guesses) scored by score_chains at each k
+    (the replay of greedy decoding with k speculative tokens along its turns; the guesses do not depend on k)."""
+    tallies = {k: ChainTally(ChainCounts.zeros(steps)) for k in ks}
     for b in batches:
-        tally += ChainTally(*chain_of_batch(draft, head, b, steps, k, attention, compiled), b.n_tokens)
-    return tally
+        guesses = kind_of_model(draft).guesses(draft, b, steps, attention, compiled)
+        for k in ks:
+            tallies[k] += ChainTally(*score_chains(guesses, head, b, k), b.n_tokens)
+    return tallies
